@@ -1,0 +1,859 @@
+//! The lock-free segregated-fit allocator that lives inside the region.
+//!
+//! Two layers, both made of bitmaps in shared memory and changed only by single-word
+//! atomic read-modify-writes, so a process stopped or killed at any instruction never blocks
+//! another (see docs/design.md, "Allocator"):
+//!
+//! * **Page runs.** The heap is cut into 4 KiB pages with one bit each in the page bitmap.
+//!   An allocation of `n` pages finds a run of `n` clear bits (next-fit from a shared
+//!   cursor) and claims it word by word, in ascending order, with CAS. If a word turns out to
+//!   be taken, the words already claimed are rolled back and the search moves past the
+//!   conflict. Freeing clears the bits, so neighbouring free runs coalesce by construction:
+//!   there is no free list to fragment and no merge step to race.
+//! * **Slabs.** Requests up to 16 KiB use one of 32 size classes (64 B steps to 1 KiB, then
+//!   four classes per doubling). A slab is a 64 KiB-aligned run of 16 pages dedicated to one
+//!   class; its descriptor holds `state = (class + 1) << 16 | live` and a block bitmap. A
+//!   claimer first reserves a block by incrementing `live` with CAS (which fails if the slab
+//!   changed class or is full), then sets one clear bit. A freer clears the bit, marks the
+//!   slab in its class's *partial* bitmap, then decrements `live`; whoever takes `live` to
+//!   zero may retire the slab with one CAS (`state` -> 0) and free its pages.
+//!
+//! Invariants (checked by [`Allocator::audit`] in tests):
+//! * bits set in a slab's bitmap <= its `live` count (claimers reserve before setting, freers
+//!   clear before releasing);
+//! * a slab unit whose `state` is 0 has an all-zero block bitmap;
+//! * every handed-out block lies inside the heap, is 64-byte aligned, and page runs are
+//!   page-aligned.
+//!
+//! A zeroed region is a valid empty allocator. Every value read back from shared memory is
+//! range-checked before use: a corrupted word yields [`Error::Corrupted`], never a panic or
+//! an out-of-bounds access.
+
+use crate::error::{Error, Result};
+use crate::layout::{CLASSES, PAGE, PAGES_PER_SLAB, SLAB};
+use crate::sync::{AtomicU64, Ordering};
+
+/// Pads `T` to its own cache line.
+#[repr(C, align(64))]
+#[derive(Default)]
+pub(crate) struct Padded<T>(pub T);
+
+/// Slab size classes in bytes (all multiples of 64).
+pub(crate) const CLASS_SIZES: [u64; CLASSES as usize] = [
+    64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960, 1024, 1280, 1536,
+    1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384,
+];
+/// Largest request served from slabs.
+pub(crate) const MAX_SMALL: u64 = 16384;
+const BITMAP_WORDS: usize = 16;
+
+/// Per-64-KiB-unit slab descriptor (136 bytes).
+#[repr(C)]
+#[derive(Default)]
+pub(crate) struct SlabDesc {
+    /// `(class + 1) << 16 | live`; 0 means "not a slab".
+    state: AtomicU64,
+    /// One bit per block; bit set = block in use.
+    bits: [AtomicU64; BITMAP_WORDS],
+}
+
+const _: () = assert!(std::mem::size_of::<SlabDesc>() as u64 == crate::layout::SLAB_DESC_SIZE);
+
+/// Which allocator layer a block came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BlockKind {
+    /// A run of pages.
+    Pages,
+    /// A block of the given slab class.
+    Slab(u8),
+}
+
+/// A block handed out by the allocator: a heap offset and its kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Block {
+    /// Byte offset from the start of the heap.
+    pub offset: u64,
+    /// Usable bytes (class size, or whole pages).
+    pub size: u64,
+    /// Slab class or page run.
+    pub kind: BlockKind,
+}
+
+impl BlockKind {
+    /// Compact encoding stored in table slots: 0 = pages, c + 1 = slab class c.
+    pub(crate) fn encode(self) -> u8 {
+        match self {
+            BlockKind::Pages => 0,
+            BlockKind::Slab(c) => c + 1,
+        }
+    }
+    /// Inverse of [`encode`](Self::encode); `None` for values no writer produces.
+    pub(crate) fn decode(v: u8) -> Option<Self> {
+        match v {
+            0 => Some(BlockKind::Pages),
+            v if (v as u64) <= CLASSES => Some(BlockKind::Slab(v - 1)),
+            _ => None,
+        }
+    }
+}
+
+/// Size class for `size` bytes, if it is served by slabs.
+pub(crate) fn class_of(size: u64) -> Option<usize> {
+    if size == 0 || size > MAX_SMALL {
+        return None;
+    }
+    if size <= 1024 {
+        return Some((size.div_ceil(64) - 1) as usize);
+    }
+    CLASS_SIZES.iter().position(|&c| c >= size)
+}
+
+fn blocks_per_slab(class: usize) -> u64 {
+    SLAB / CLASS_SIZES[class]
+}
+
+/// What the allocator holds, computed by a scan (for stats and tests).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Usage {
+    /// Heap bytes.
+    pub capacity: u64,
+    /// Bytes in blocks handed out (slab blocks at class size, page runs at page size).
+    pub used: u64,
+    /// `capacity - used`.
+    pub free: u64,
+    /// Bytes in pages not claimed at all (usable by any size).
+    pub free_pages_bytes: u64,
+    /// The largest page run free right now.
+    pub largest_free: u64,
+    /// Slabs currently assigned to a class.
+    pub slabs: u64,
+}
+
+/// The allocator over its shared sections. Cheap to build; holds only borrows.
+pub(crate) struct Allocator<'a> {
+    pages: &'a [AtomicU64],
+    npages: u64,
+    slabs: &'a [SlabDesc],
+    partial: &'a [AtomicU64],
+    partial_words: usize,
+    /// `CLASSES` hint slots (current slab + 1 per class), then the page cursor.
+    hints: &'a [Padded<AtomicU64>],
+}
+
+fn corrupted(what: impl Into<String>) -> Error {
+    Error::Corrupted { what: what.into() }
+}
+
+/// Mask of bits `[lo, hi)` within one word (`0 <= lo < hi <= 64`).
+fn range_mask(lo: u64, hi: u64) -> u64 {
+    let upper = if hi >= 64 { u64::MAX } else { (1u64 << hi) - 1 };
+    upper & !((1u64 << lo) - 1)
+}
+
+impl<'a> Allocator<'a> {
+    /// Wraps the sections. Lengths must match the layout (the caller validated it).
+    pub(crate) fn new(
+        pages: &'a [AtomicU64],
+        npages: u64,
+        slabs: &'a [SlabDesc],
+        partial: &'a [AtomicU64],
+        hints: &'a [Padded<AtomicU64>],
+    ) -> Self {
+        debug_assert!(pages.len() as u64 * 64 >= npages);
+        debug_assert_eq!(slabs.len() as u64, npages / PAGES_PER_SLAB);
+        debug_assert_eq!(hints.len() as u64, CLASSES + 1);
+        let partial_words = slabs.len().div_ceil(64);
+        debug_assert_eq!(partial.len(), partial_words * CLASSES as usize);
+        Self {
+            pages,
+            npages,
+            slabs,
+            partial,
+            partial_words,
+            hints,
+        }
+    }
+
+    /// Heap bytes managed.
+    pub(crate) fn capacity(&self) -> u64 {
+        self.npages * PAGE
+    }
+
+    /// The largest request that could ever succeed.
+    pub(crate) fn max_object(&self) -> u64 {
+        self.capacity()
+    }
+
+    /// Allocates a block of at least `size` bytes (64-byte aligned; page-aligned above 16 KiB).
+    pub(crate) fn alloc(&self, size: u64) -> Result<Block> {
+        let size = size.max(1);
+        if size > self.max_object() {
+            return Err(Error::TooLarge {
+                requested: size,
+                max: self.max_object(),
+            });
+        }
+        let attempt = || match class_of(size) {
+            Some(c) => self.alloc_small(c),
+            None => {
+                let n = size.div_ceil(PAGE);
+                Ok(self.alloc_pages(n, 1).map(|p| Block {
+                    offset: p * PAGE,
+                    size: n * PAGE,
+                    kind: BlockKind::Pages,
+                }))
+            }
+        };
+        let mut got = attempt()?;
+        if got.is_none() && self.flush_idle_slabs() {
+            got = attempt()?;
+        }
+        got.ok_or_else(|| {
+            let u = self.usage();
+            Error::Full {
+                requested: size,
+                free: u.free,
+                largest_free: u.largest_free,
+            }
+        })
+    }
+
+    /// Returns a block. Fails with `Corrupted` if the block was not allocated (double free
+    /// or a forged descriptor); nothing is changed in that case.
+    pub(crate) fn free(&self, block: Block) -> Result<()> {
+        match block.kind {
+            BlockKind::Pages => {
+                if block.offset % PAGE != 0 || block.size == 0 || block.size % PAGE != 0 {
+                    return Err(corrupted(format!("page block {block:?} misaligned")));
+                }
+                let first = block.offset / PAGE;
+                let n = block.size / PAGE;
+                if first.checked_add(n).is_none_or(|end| end > self.npages) {
+                    return Err(corrupted(format!("page block {block:?} out of bounds")));
+                }
+                self.free_pages(first, n)
+            }
+            BlockKind::Slab(c) => self.free_small(c as usize, block.offset),
+        }
+    }
+
+    // ----- page runs -------------------------------------------------------------------
+
+    fn cursor(&self) -> &AtomicU64 {
+        &self.hints[CLASSES as usize].0
+    }
+
+    /// Index of the first clear page bit in `[p, end)`.
+    fn next_free(&self, mut p: u64, end: u64) -> Option<u64> {
+        while p < end {
+            let w = (p / 64) as usize;
+            let bits = !self.pages[w].load(Ordering::Relaxed) & range_mask(p % 64, 64);
+            if bits != 0 {
+                let q = (w as u64) * 64 + bits.trailing_zeros() as u64;
+                return (q < end).then_some(q);
+            }
+            p = (w as u64 + 1) * 64;
+        }
+        None
+    }
+
+    /// Index of the first set page bit in `[p, end)`.
+    fn next_used(&self, mut p: u64, end: u64) -> Option<u64> {
+        while p < end {
+            let w = (p / 64) as usize;
+            let hi = (end - (w as u64) * 64).min(64);
+            let bits = self.pages[w].load(Ordering::Relaxed) & range_mask(p % 64, hi);
+            if bits != 0 {
+                return Some((w as u64) * 64 + bits.trailing_zeros() as u64);
+            }
+            p = (w as u64 + 1) * 64;
+        }
+        None
+    }
+
+    /// Claims `[first, first + n)` word by word in ascending order. On conflict, rolls back
+    /// and returns the page index that was found taken.
+    fn claim_run(&self, first: u64, n: u64) -> std::result::Result<(), u64> {
+        let end = first + n;
+        let mut p = first;
+        while p < end {
+            let w = (p / 64) as usize;
+            let hi = (end - (w as u64) * 64).min(64);
+            let mask = range_mask(p % 64, hi);
+            let mut cur = self.pages[w].load(Ordering::Relaxed);
+            loop {
+                if cur & mask != 0 {
+                    let taken = (w as u64) * 64 + (cur & mask).trailing_zeros() as u64;
+                    self.release_range(first, p);
+                    return Err(taken);
+                }
+                match self.pages[w].compare_exchange_weak(
+                    cur,
+                    cur | mask,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => break,
+                    Err(now) => cur = now,
+                }
+            }
+            p = (w as u64 + 1) * 64;
+        }
+        Ok(())
+    }
+
+    /// Clears bits `[first, end)` that this thread set (rollback of a partial claim).
+    fn release_range(&self, first: u64, end: u64) {
+        let mut p = first;
+        while p < end {
+            let w = (p / 64) as usize;
+            let hi = (end - (w as u64) * 64).min(64);
+            self.pages[w].fetch_and(!range_mask(p % 64, hi), Ordering::AcqRel);
+            p = (w as u64 + 1) * 64;
+        }
+    }
+
+    /// Finds and claims `n` pages whose first index is a multiple of `align`.
+    fn alloc_pages(&self, n: u64, align: u64) -> Option<u64> {
+        if n == 0 || n > self.npages {
+            return None;
+        }
+        let start = self.cursor().load(Ordering::Relaxed) % self.npages;
+        // Next-fit: search from the cursor to the end, then the whole heap from the start.
+        for (lo, hi) in [(start, self.npages), (0, self.npages)] {
+            let mut p = lo;
+            while let Some(f) = self.next_free(p, hi) {
+                let cand = f.div_ceil(align) * align;
+                if cand + n > hi {
+                    break;
+                }
+                if let Some(u) = self.next_used(cand, cand + n) {
+                    p = u + 1;
+                    continue;
+                }
+                match self.claim_run(cand, n) {
+                    Ok(()) => {
+                        self.cursor().store(cand + n, Ordering::Relaxed);
+                        return Some(cand);
+                    }
+                    Err(taken) => p = taken + 1,
+                }
+            }
+        }
+        None
+    }
+
+    fn free_pages(&self, first: u64, n: u64) -> Result<()> {
+        // Check first so that a bad free changes nothing.
+        let end = first + n;
+        let mut p = first;
+        while p < end {
+            let w = (p / 64) as usize;
+            let hi = (end - (w as u64) * 64).min(64);
+            let mask = range_mask(p % 64, hi);
+            if self.pages[w].load(Ordering::Relaxed) & mask != mask {
+                return Err(corrupted(format!(
+                    "freeing pages {first}..{end} that are not all allocated"
+                )));
+            }
+            p = (w as u64 + 1) * 64;
+        }
+        self.release_range(first, end);
+        Ok(())
+    }
+
+    // ----- slabs -----------------------------------------------------------------------
+
+    fn hint(&self, class: usize) -> &AtomicU64 {
+        &self.hints[class].0
+    }
+
+    fn partial_word(&self, class: usize, slab: usize) -> &AtomicU64 {
+        &self.partial[class * self.partial_words + slab / 64]
+    }
+
+    fn alloc_small(&self, class: usize) -> Result<Option<Block>> {
+        let size = CLASS_SIZES[class];
+        let block = |slab: usize, idx: u64| Block {
+            offset: slab as u64 * SLAB + idx * size,
+            size,
+            kind: BlockKind::Slab(class as u8),
+        };
+        // 1. The class's current slab.
+        let h = self.hint(class).load(Ordering::Acquire);
+        if h != 0 && h <= self.slabs.len() as u64 {
+            let s = (h - 1) as usize;
+            if let Some(i) = self.claim_in_slab(s, class) {
+                return Ok(Some(block(s, i)));
+            }
+        }
+        // 2. A slab of this class with a freed block.
+        if let Some((s, i)) = self.claim_from_partial(class) {
+            self.hint(class).store(s as u64 + 1, Ordering::Release);
+            return Ok(Some(block(s, i)));
+        }
+        // 3. A fresh slab.
+        let Some(first) = self.alloc_pages(PAGES_PER_SLAB, PAGES_PER_SLAB) else {
+            return Ok(None);
+        };
+        let s = (first / PAGES_PER_SLAB) as usize;
+        let d = &self.slabs[s];
+        // We own the unit exclusively (its pages are ours, its state is 0); a previous
+        // incarnation left its bits clear, but do not trust shared memory for that.
+        for w in &d.bits[1..] {
+            w.store(0, Ordering::Relaxed);
+        }
+        d.bits[0].store(1, Ordering::Relaxed);
+        d.state
+            .store(((class as u64 + 1) << 16) | 1, Ordering::Release);
+        self.hint(class).store(s as u64 + 1, Ordering::Release);
+        Ok(Some(block(s, 0)))
+    }
+
+    /// Reserves and claims one block of `class` in slab `s`; `None` if the slab is not of
+    /// that class or is full.
+    fn claim_in_slab(&self, s: usize, class: usize) -> Option<u64> {
+        let d = &self.slabs[s];
+        let cap = blocks_per_slab(class);
+        let tag = (class as u64 + 1) << 16;
+        let mut st = d.state.load(Ordering::Acquire);
+        loop {
+            if st & !0xffff != tag || st & 0xffff >= cap {
+                return None;
+            }
+            match d
+                .state
+                .compare_exchange_weak(st, st + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break,
+                Err(now) => st = now,
+            }
+        }
+        // A reservation guarantees a clear bit unless shared memory is corrupt; bound the
+        // passes so corruption degrades to "slab full" instead of a hang.
+        let words = cap.div_ceil(64) as usize;
+        let start = ((st & 0xffff) / 64) as usize % words;
+        for _pass in 0..64 {
+            for k in 0..words {
+                let w = (start + k) % words;
+                let valid = range_mask(0, (cap - w as u64 * 64).min(64));
+                let cur = d.bits[w].load(Ordering::Relaxed);
+                let free = !cur & valid;
+                if free != 0 {
+                    let b = free.trailing_zeros() as u64;
+                    let prev = d.bits[w].fetch_or(1 << b, Ordering::AcqRel);
+                    if prev & (1 << b) == 0 {
+                        return Some(w as u64 * 64 + b);
+                    }
+                }
+            }
+            crate::sync::spin_hint();
+        }
+        self.release_reservation(s, class);
+        None
+    }
+
+    /// Retires every class's current slab that holds no block, so its pages can join a
+    /// larger run. Called when an allocation fails. Returns whether anything was freed.
+    fn flush_idle_slabs(&self) -> bool {
+        let mut freed = false;
+        for class in 0..CLASSES as usize {
+            let h = self.hint(class).load(Ordering::Acquire);
+            if h == 0 || h > self.slabs.len() as u64 {
+                continue;
+            }
+            let s = (h - 1) as usize;
+            let tag = (class as u64 + 1) << 16;
+            if self.slabs[s].state.load(Ordering::Acquire) != tag {
+                continue;
+            }
+            // Drop the hint first so that a concurrent free does not keep the slab alive,
+            // then retire it if it is still empty.
+            let _ = self
+                .hint(class)
+                .compare_exchange(h, 0, Ordering::AcqRel, Ordering::Relaxed);
+            if self.slabs[s]
+                .state
+                .compare_exchange(tag, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                self.partial_word(class, s)
+                    .fetch_and(!(1u64 << (s % 64)), Ordering::AcqRel);
+                let first = s as u64 * PAGES_PER_SLAB;
+                self.release_range(first, first + PAGES_PER_SLAB);
+                freed = true;
+            }
+        }
+        freed
+    }
+
+    fn claim_from_partial(&self, class: usize) -> Option<(usize, u64)> {
+        let pw = self.partial_words;
+        for k in 0..pw {
+            let word = &self.partial[class * pw + k];
+            let mut bits = word.load(Ordering::Acquire);
+            while bits != 0 {
+                let b = bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let s = k * 64 + b;
+                if s >= self.slabs.len() {
+                    break;
+                }
+                if let Some(i) = self.claim_in_slab(s, class) {
+                    return Some((s, i));
+                }
+                // Full or no longer this class: drop the mark, then look once more in case
+                // a block was freed between our claim attempt and the clear.
+                word.fetch_and(!(1u64 << b), Ordering::AcqRel);
+                if let Some(i) = self.claim_in_slab(s, class) {
+                    return Some((s, i));
+                }
+            }
+        }
+        None
+    }
+
+    /// Decrements `live`; retires the slab when it reaches zero (unless it is the class's
+    /// current slab, which stays to avoid churn).
+    fn release_reservation(&self, s: usize, class: usize) {
+        let d = &self.slabs[s];
+        let tag = (class as u64 + 1) << 16;
+        let mut st = d.state.load(Ordering::Acquire);
+        loop {
+            if st & !0xffff != tag || st & 0xffff == 0 {
+                return; // corrupted; leave it for recovery rather than underflow
+            }
+            match d
+                .state
+                .compare_exchange_weak(st, st - 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break,
+                Err(now) => st = now,
+            }
+        }
+        if st - 1 != tag || self.hint(class).load(Ordering::Relaxed) == s as u64 + 1 {
+            return;
+        }
+        if d
+            .state
+            .compare_exchange(tag, 0, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            // Live was 0 and no claimer can reserve any more: the unit is ours to return.
+            self.partial_word(class, s)
+                .fetch_and(!(1u64 << (s % 64)), Ordering::AcqRel);
+            let first = s as u64 * PAGES_PER_SLAB;
+            self.release_range(first, first + PAGES_PER_SLAB);
+        }
+    }
+
+    fn free_small(&self, class: usize, offset: u64) -> Result<()> {
+        if class >= CLASSES as usize {
+            return Err(corrupted(format!("slab class {class} out of range")));
+        }
+        let size = CLASS_SIZES[class];
+        let s = (offset / SLAB) as usize;
+        let within = offset % SLAB;
+        if s >= self.slabs.len() || within % size != 0 || within / size >= blocks_per_slab(class) {
+            return Err(corrupted(format!(
+                "block at heap offset {offset} is not a class-{class} block"
+            )));
+        }
+        let d = &self.slabs[s];
+        let st = d.state.load(Ordering::Acquire);
+        if st >> 16 != class as u64 + 1 {
+            return Err(corrupted(format!(
+                "slab {s} has state {st:#x}, expected class {class}"
+            )));
+        }
+        let idx = within / size;
+        let bit = 1u64 << (idx % 64);
+        let prev = d.bits[(idx / 64) as usize].fetch_and(!bit, Ordering::AcqRel);
+        if prev & bit == 0 {
+            return Err(corrupted(format!("double free of heap offset {offset}")));
+        }
+        self.partial_word(class, s)
+            .fetch_or(1u64 << (s % 64), Ordering::AcqRel);
+        self.release_reservation(s, class);
+        Ok(())
+    }
+
+    // ----- inspection ------------------------------------------------------------------
+
+    /// Scans the bitmaps. Not atomic as a whole: exact only when no one allocates meanwhile.
+    pub(crate) fn usage(&self) -> Usage {
+        let mut page_bits = 0u64;
+        let mut largest = 0u64;
+        let mut run = 0u64;
+        for (wi, word) in self.pages.iter().enumerate() {
+            let base = wi as u64 * 64;
+            if base >= self.npages {
+                break;
+            }
+            let valid = (self.npages - base).min(64);
+            let w = word.load(Ordering::Relaxed) & range_mask(0, valid);
+            page_bits += w.count_ones() as u64;
+            if w == 0 {
+                run += valid;
+                largest = largest.max(run);
+                continue;
+            }
+            for b in 0..valid {
+                if w & (1 << b) != 0 {
+                    run = 0;
+                } else {
+                    run += 1;
+                    largest = largest.max(run);
+                }
+            }
+        }
+        let mut slabs = 0;
+        let mut slab_used = 0;
+        for d in self.slabs {
+            let st = d.state.load(Ordering::Relaxed);
+            let c = (st >> 16) as usize;
+            if c == 0 || c > CLASSES as usize {
+                continue;
+            }
+            slabs += 1;
+            let ones: u64 = d
+                .bits
+                .iter()
+                .map(|w| w.load(Ordering::Relaxed).count_ones() as u64)
+                .sum();
+            slab_used += ones * CLASS_SIZES[c - 1];
+        }
+        let capacity = self.capacity();
+        let used = (page_bits * PAGE).saturating_sub(slabs * SLAB) + slab_used;
+        Usage {
+            capacity,
+            used,
+            free: capacity.saturating_sub(used),
+            free_pages_bytes: capacity - page_bits * PAGE,
+            largest_free: largest * PAGE,
+            slabs,
+        }
+    }
+
+    /// Checks the allocator's invariants; for tests and `shmstore` diagnostics.
+    pub(crate) fn audit(&self) -> Result<()> {
+        for (s, d) in self.slabs.iter().enumerate() {
+            let st = d.state.load(Ordering::Relaxed);
+            let c = (st >> 16) as usize;
+            let ones: u64 = d
+                .bits
+                .iter()
+                .map(|w| w.load(Ordering::Relaxed).count_ones() as u64)
+                .sum();
+            if c == 0 {
+                if st != 0 || ones != 0 {
+                    return Err(corrupted(format!("free slab unit {s} has state {st:#x}, {ones} bits")));
+                }
+                continue;
+            }
+            if c > CLASSES as usize || ones > st & 0xffff || st & 0xffff > blocks_per_slab(c - 1) {
+                return Err(corrupted(format!("slab {s}: state {st:#x}, {ones} bits set")));
+            }
+            let first = s as u64 * PAGES_PER_SLAB;
+            if self.next_free(first, first + PAGES_PER_SLAB).is_some() {
+                return Err(corrupted(format!("slab {s} is live but its pages are free")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An allocator over sections on the heap: for unit tests, miri and loom.
+#[cfg(any(test, loom))]
+pub(crate) mod testing {
+    use super::*;
+
+    /// Owns the sections an [`Allocator`] borrows.
+    pub(crate) struct HeapAllocator {
+        pub pages: Vec<AtomicU64>,
+        pub npages: u64,
+        pub slabs: Vec<SlabDesc>,
+        pub partial: Vec<AtomicU64>,
+        pub hints: Vec<Padded<AtomicU64>>,
+    }
+
+    impl HeapAllocator {
+        /// An empty allocator over `heap_size` bytes (a multiple of 64 KiB).
+        pub(crate) fn new(heap_size: u64) -> Self {
+            let npages = heap_size / PAGE;
+            let nslabs = (heap_size / SLAB) as usize;
+            let zeros = |n: usize| (0..n).map(|_| AtomicU64::new(0)).collect::<Vec<_>>();
+            Self {
+                pages: zeros(npages.div_ceil(64) as usize),
+                npages,
+                slabs: (0..nslabs).map(|_| SlabDesc::default()).collect(),
+                partial: zeros(nslabs.div_ceil(64) * CLASSES as usize),
+                hints: (0..=CLASSES).map(|_| Padded(AtomicU64::new(0))).collect(),
+            }
+        }
+
+        /// Borrows it as an [`Allocator`].
+        pub(crate) fn get(&self) -> Allocator<'_> {
+            Allocator::new(&self.pages, self.npages, &self.slabs, &self.partial, &self.hints)
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::testing::HeapAllocator;
+    use super::*;
+
+    #[test]
+    fn classes_are_sorted_and_aligned() {
+        assert!(CLASS_SIZES.windows(2).all(|w| w[0] < w[1]));
+        assert!(CLASS_SIZES.iter().all(|c| c % 64 == 0));
+        for size in 1..=MAX_SMALL {
+            let c = class_of(size).unwrap();
+            assert!(CLASS_SIZES[c] >= size);
+            assert!(c == 0 || CLASS_SIZES[c - 1] < size);
+        }
+        assert_eq!(class_of(MAX_SMALL + 1), None);
+    }
+
+    #[test]
+    fn small_and_large_blocks_are_aligned_and_disjoint() {
+        let h = HeapAllocator::new(4 << 20);
+        let a = h.get();
+        let mut blocks = Vec::new();
+        for size in [1, 64, 65, 1000, 4096, 16384, 16385, 100_000, 1 << 20] {
+            let b = a.alloc(size).unwrap();
+            assert!(b.size >= size);
+            assert_eq!(b.offset % 64, 0);
+            if size > MAX_SMALL {
+                assert_eq!(b.offset % PAGE, 0);
+            }
+            assert!(b.offset + b.size <= a.capacity());
+            blocks.push(b);
+        }
+        let mut sorted = blocks.clone();
+        sorted.sort_by_key(|b| b.offset);
+        for w in sorted.windows(2) {
+            assert!(w[0].offset + w[0].size <= w[1].offset, "{w:?} overlap");
+        }
+        a.audit().unwrap();
+        for b in blocks {
+            a.free(b).unwrap();
+        }
+        a.audit().unwrap();
+        let u = a.usage();
+        assert_eq!(u.used, 0, "{u:?}");
+    }
+
+    #[test]
+    fn full_reports_numbers_and_too_large_is_immediate() {
+        let h = HeapAllocator::new(256 << 10);
+        let a = h.get();
+        let b = a.alloc(200 << 10).unwrap();
+        match a.alloc(100 << 10) {
+            Err(Error::Full { requested, free, largest_free }) => {
+                assert_eq!(requested, 100 << 10);
+                assert_eq!(free, 56 << 10);
+                assert_eq!(largest_free, 56 << 10);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(a.alloc(1 << 20), Err(Error::TooLarge { .. })));
+        a.free(b).unwrap();
+        assert!(a.alloc(256 << 10).is_ok());
+    }
+
+    #[test]
+    fn double_free_and_forged_blocks_are_rejected() {
+        let h = HeapAllocator::new(1 << 20);
+        let a = h.get();
+        let b = a.alloc(100).unwrap();
+        let keep = a.alloc(100).unwrap();
+        a.free(b).unwrap();
+        assert!(matches!(a.free(b), Err(Error::Corrupted { .. })));
+        let p = a.alloc(50_000).unwrap();
+        a.free(p).unwrap();
+        assert!(a.free(p).is_err());
+        let forged = Block { offset: 1 << 30, size: PAGE, kind: BlockKind::Pages };
+        assert!(a.free(forged).is_err());
+        let forged = Block { offset: 3, size: 64, kind: BlockKind::Slab(0) };
+        assert!(a.free(forged).is_err());
+        a.free(keep).unwrap();
+        a.audit().unwrap();
+    }
+
+    #[test]
+    fn empty_slabs_return_their_pages() {
+        let h = HeapAllocator::new(1 << 20);
+        let a = h.get();
+        let mut v: Vec<_> = (0..2000).map(|_| a.alloc(64).unwrap()).collect();
+        assert!(a.usage().slabs >= 2);
+        v.drain(..).for_each(|b| a.free(b).unwrap());
+        let u = a.usage();
+        assert_eq!(u.used, 0);
+        assert!(u.slabs <= 1, "only the current slab may stay: {u:?}");
+        // A request that needs the retained slab's pages flushes it: no memory is stranded.
+        let all = a.alloc(a.capacity()).unwrap();
+        assert_eq!(a.usage().slabs, 0);
+        a.free(all).unwrap();
+        a.audit().unwrap();
+    }
+
+    #[test]
+    fn page_runs_coalesce() {
+        let h = HeapAllocator::new(1 << 20);
+        let a = h.get();
+        let blocks: Vec<_> = (0..16).map(|_| a.alloc(64 << 10).unwrap()).collect();
+        assert!(a.alloc(PAGE).is_err());
+        for b in blocks.iter().step_by(2) {
+            a.free(*b).unwrap();
+        }
+        assert_eq!(a.usage().largest_free, 64 << 10);
+        for b in blocks.iter().skip(1).step_by(2) {
+            a.free(*b).unwrap();
+        }
+        assert_eq!(a.usage().largest_free, 1 << 20);
+    }
+
+    #[test]
+    fn threads_allocate_and_free_concurrently() {
+        let h = std::sync::Arc::new(HeapAllocator::new(8 << 20));
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let h = h.clone();
+                std::thread::spawn(move || {
+                    let a = h.get();
+                    let mut live = Vec::new();
+                    let mut x = t as u64 + 1;
+                    for i in 0..20_000u64 {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let size = if i % 50 == 0 { 20_000 + x % 100_000 } else { 1 + x % 3000 };
+                        if let Ok(b) = a.alloc(size) {
+                            live.push(b);
+                        }
+                        if live.len() > 40 {
+                            let k = (x as usize) % live.len();
+                            a.free(live.swap_remove(k)).unwrap();
+                        }
+                    }
+                    live
+                })
+            })
+            .collect();
+        let mut all: Vec<Block> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
+        all.sort_by_key(|b| b.offset);
+        for w in all.windows(2) {
+            assert!(w[0].offset + w[0].size <= w[1].offset, "{w:?} overlap");
+        }
+        let a = h.get();
+        a.audit().unwrap();
+        let used: u64 = all.iter().map(|b| b.size).sum();
+        assert_eq!(a.usage().used, used);
+        for b in all {
+            a.free(b).unwrap();
+        }
+        assert_eq!(a.usage().used, 0);
+    }
+}

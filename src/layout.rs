@@ -1,0 +1,349 @@
+//! The region's memory layout: the superblock and where every section lives.
+//!
+//! A store is one contiguous region (a /dev/shm file or a memfd). Its first 256 bytes are the
+//! [`Superblock`], a `Pod` struct written once by the creator and never changed afterwards.
+//! Every other section's offset and size is a pure function of four parameters
+//! ([`Params`]), so [`Layout::validate`] can check a superblock read from an untrusted file by
+//! recomputing the whole layout and comparing field by field, then checking a blake3
+//! checksum. Nothing in the region is a pointer; everything is an offset from the start.
+//!
+//! ```text
+//! 0        superblock (256 B, immutable after creation, checksummed)
+//! 4 KiB    wait buckets      WAIT_BUCKETS x 64 B   futex words for blocked gets
+//!          class hints       CLASSES x 64 B        current slab per size class
+//!          page bitmap       pages / 64 words      1 bit per 4 KiB heap page
+//!          slab descriptors  slabs x 136 B         state + block bitmap per 64 KiB unit
+//!          partial bitmaps   CLASSES x slabs/64    "slab of class c may have a free block"
+//!          table buckets     slots x 8 B           hopscotch neighbourhood bitmaps
+//!          table slots       slots x 64 B          one cache line per object
+//!          clients           max_clients x stride  liveness and hold records
+//! 64 KiB-aligned
+//!          heap              capacity bytes        payloads (slabs and page runs)
+//! ```
+//! See docs/design.md, "Memory layout".
+
+use crate::error::{Error, Result};
+use bytemuck::{Pod, Zeroable};
+use std::path::Path;
+
+/// Magic bytes at offset 0.
+pub(crate) const MAGIC: [u8; 8] = *b"SHMSTORE";
+/// Layout version; bump on any incompatible change.
+pub(crate) const LAYOUT_VERSION: u32 = 1;
+/// Heap page size: large objects are page-aligned runs of these.
+pub(crate) const PAGE: u64 = 4096;
+/// Slab unit: small objects live in 64 KiB slabs aligned to 64 KiB.
+pub(crate) const SLAB: u64 = 64 * 1024;
+/// Pages per slab.
+pub(crate) const PAGES_PER_SLAB: u64 = SLAB / PAGE;
+/// Number of futex wait buckets.
+pub(crate) const WAIT_BUCKETS: u64 = 256;
+/// Hopscotch neighbourhood: an object lives within this many slots of its home.
+pub(crate) const NEIGHBORHOOD: u64 = 32;
+/// Size of the per-client fixed header, before its hold bitmap and records.
+pub(crate) const CLIENT_HEADER: u64 = 256;
+/// Largest per-object metadata blob.
+pub(crate) const MAX_META: u64 = 4096;
+/// Smallest heap we accept.
+pub(crate) const MIN_CAPACITY: u64 = SLAB;
+/// Size classes handled by slabs; see [`crate::alloc`].
+pub(crate) const CLASSES: u64 = 32;
+/// Bytes per slab descriptor.
+pub(crate) const SLAB_DESC_SIZE: u64 = 136;
+
+/// The immutable header at offset 0.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable, Debug, PartialEq, Eq)]
+pub(crate) struct Superblock {
+    pub magic: [u8; 8],
+    pub version: u32,
+    pub superblock_size: u32,
+    pub total_size: u64,
+    pub heap_offset: u64,
+    pub heap_size: u64,
+    pub wait_offset: u64,
+    pub hints_offset: u64,
+    pub page_bitmap_offset: u64,
+    pub pages: u64,
+    pub slab_desc_offset: u64,
+    pub slabs: u64,
+    pub partial_offset: u64,
+    pub partial_words: u64,
+    pub buckets_offset: u64,
+    pub slots_offset: u64,
+    pub table_slots: u64,
+    pub clients_offset: u64,
+    pub max_clients: u64,
+    pub holds_per_client: u64,
+    pub client_stride: u64,
+    pub created_unix_ns: u64,
+    pub flags: u64,
+    pub _reserved: [u64; 9],
+    pub checksum: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<Superblock>() == 256);
+
+/// The four numbers every section's size derives from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Params {
+    /// Heap bytes (a multiple of [`SLAB`]).
+    pub heap_size: u64,
+    /// Object table slots (a power of two, at least [`NEIGHBORHOOD`]).
+    pub table_slots: u64,
+    /// Client slots.
+    pub max_clients: u64,
+    /// Hold records per client (a multiple of 64).
+    pub holds_per_client: u64,
+}
+
+/// Section offsets computed from [`Params`].
+pub(crate) type Layout = Superblock;
+
+fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+impl Params {
+    /// Checks ranges; every later computation relies on these bounds (no overflow).
+    pub(crate) fn check(&self) -> Result<()> {
+        let bad = |reason: String| Err(Error::InvalidConfig { reason });
+        if self.heap_size < MIN_CAPACITY || self.heap_size % SLAB != 0 || self.heap_size > 1 << 46 {
+            return bad(format!(
+                "capacity {} must be a multiple of 64 KiB between 64 KiB and 64 TiB",
+                self.heap_size
+            ));
+        }
+        if !self.table_slots.is_power_of_two()
+            || self.table_slots < NEIGHBORHOOD
+            || self.table_slots > 1 << 31
+        {
+            return bad(format!(
+                "table slots {} must be a power of two between 32 and 2^31",
+                self.table_slots
+            ));
+        }
+        if self.max_clients == 0 || self.max_clients > 4096 {
+            return bad(format!("max_clients {} must be 1..=4096", self.max_clients));
+        }
+        if self.holds_per_client == 0
+            || self.holds_per_client % 64 != 0
+            || self.holds_per_client > 1 << 20
+        {
+            return bad(format!(
+                "holds_per_client {} must be a multiple of 64, at most 2^20",
+                self.holds_per_client
+            ));
+        }
+        Ok(())
+    }
+
+    /// Lays the sections out.
+    pub(crate) fn layout(&self) -> Result<Layout> {
+        self.check()?;
+        let pages = self.heap_size / PAGE;
+        let slabs = self.heap_size / SLAB;
+        let partial_words = slabs.div_ceil(64);
+        let client_stride = align_up(CLIENT_HEADER + self.holds_per_client * 8, 64);
+        let mut off = PAGE;
+        let mut take = |bytes: u64, align: u64| {
+            off = align_up(off, align);
+            let at = off;
+            off += bytes;
+            at
+        };
+        let wait_offset = take(WAIT_BUCKETS * 64, 64);
+        let hints_offset = take((CLASSES + 1) * 64, 64);
+        let page_bitmap_offset = take(pages.div_ceil(64) * 8, 64);
+        let slab_desc_offset = take(slabs * SLAB_DESC_SIZE, 64);
+        let partial_offset = take(CLASSES * partial_words * 8, 64);
+        let buckets_offset = take(self.table_slots * 8, 64);
+        let slots_offset = take(self.table_slots * 64, 64);
+        let clients_offset = take(self.max_clients * client_stride, 64);
+        let heap_offset = take(self.heap_size, SLAB);
+        Ok(Superblock {
+            magic: MAGIC,
+            version: LAYOUT_VERSION,
+            superblock_size: 256,
+            total_size: off,
+            heap_offset,
+            heap_size: self.heap_size,
+            wait_offset,
+            hints_offset,
+            page_bitmap_offset,
+            pages,
+            slab_desc_offset,
+            slabs,
+            partial_offset,
+            partial_words,
+            buckets_offset,
+            slots_offset,
+            table_slots: self.table_slots,
+            clients_offset,
+            max_clients: self.max_clients,
+            holds_per_client: self.holds_per_client,
+            client_stride,
+            created_unix_ns: 0,
+            flags: 0,
+            _reserved: [0; 9],
+            checksum: 0,
+        })
+    }
+}
+
+impl Superblock {
+    /// blake3 over every byte before the checksum field.
+    pub(crate) fn compute_checksum(&self) -> u64 {
+        let bytes = bytemuck::bytes_of(self);
+        let h = blake3::hash(&bytes[..bytes.len() - 8]);
+        u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
+    }
+
+    /// The parameters this superblock claims to be built from.
+    pub(crate) fn params(&self) -> Params {
+        Params {
+            heap_size: self.heap_size,
+            table_slots: self.table_slots,
+            max_clients: self.max_clients,
+            holds_per_client: self.holds_per_client,
+        }
+    }
+
+    /// Validates a superblock read from an untrusted file of `file_len` bytes.
+    ///
+    /// Checks, in order: length, magic, version, checksum, then that every offset equals what
+    /// the layout recomputed from the claimed parameters gives. After this passes, every
+    /// section lies inside the file and no section overlaps another.
+    pub(crate) fn validate(bytes: &[u8], file_len: u64, path: &Path) -> Result<Superblock> {
+        let path = path.to_path_buf();
+        if bytes.len() < 256 {
+            if bytes.len() >= 8 && bytes[..8] != MAGIC {
+                return Err(Error::NotAStore { path });
+            }
+            return Err(Error::Truncated {
+                path,
+                expected: 256,
+                actual: bytes.len() as u64,
+            });
+        }
+        let sb: Superblock = bytemuck::pod_read_unaligned(&bytes[..256]);
+        if sb.magic != MAGIC {
+            return Err(Error::NotAStore { path });
+        }
+        if sb.version != LAYOUT_VERSION {
+            return Err(Error::VersionMismatch {
+                path,
+                found: sb.version,
+                supported: LAYOUT_VERSION,
+            });
+        }
+        if sb.checksum != sb.compute_checksum() {
+            return Err(Error::Corrupted {
+                what: format!("superblock checksum mismatch in {}", path.display()),
+            });
+        }
+        let expect = sb.params().layout().map_err(|e| Error::Corrupted {
+            what: format!("superblock parameters: {e}"),
+        })?;
+        let mut cmp = sb;
+        cmp.created_unix_ns = 0;
+        cmp.flags = 0;
+        cmp.checksum = 0;
+        if cmp != expect {
+            return Err(Error::Corrupted {
+                what: "superblock section offsets disagree with its parameters".into(),
+            });
+        }
+        if file_len < sb.total_size {
+            return Err(Error::Truncated {
+                path,
+                expected: sb.total_size,
+                actual: file_len,
+            });
+        }
+        Ok(sb)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> Params {
+        Params {
+            heap_size: 1 << 24,
+            table_slots: 1024,
+            max_clients: 8,
+            holds_per_client: 128,
+        }
+    }
+
+    #[test]
+    fn sections_are_ordered_aligned_and_disjoint() {
+        let l = params().layout().unwrap();
+        let sections = [
+            (l.wait_offset, WAIT_BUCKETS * 64),
+            (l.hints_offset, (CLASSES + 1) * 64),
+            (l.page_bitmap_offset, l.pages.div_ceil(64) * 8),
+            (l.slab_desc_offset, l.slabs * SLAB_DESC_SIZE),
+            (l.partial_offset, CLASSES * l.partial_words * 8),
+            (l.buckets_offset, l.table_slots * 8),
+            (l.slots_offset, l.table_slots * 64),
+            (l.clients_offset, l.max_clients * l.client_stride),
+            (l.heap_offset, l.heap_size),
+        ];
+        let mut end = 256;
+        for (off, len) in sections {
+            assert!(off >= end, "overlap at {off}");
+            assert_eq!(off % 64, 0);
+            end = off + len;
+        }
+        assert_eq!(l.heap_offset % SLAB, 0);
+        assert_eq!(end, l.total_size);
+    }
+
+    #[test]
+    fn validate_rejects_tampering() {
+        let mut sb = params().layout().unwrap();
+        sb.checksum = sb.compute_checksum();
+        let p = Path::new("/x");
+        let ok = bytemuck::bytes_of(&sb).to_vec();
+        assert!(Superblock::validate(&ok, sb.total_size, p).is_ok());
+        assert!(matches!(
+            Superblock::validate(&ok, sb.total_size - 1, p),
+            Err(Error::Truncated { .. })
+        ));
+        let mut bad = ok.clone();
+        bad[0] = b'X';
+        assert!(matches!(Superblock::validate(&bad, sb.total_size, p), Err(Error::NotAStore { .. })));
+        let mut bad = ok.clone();
+        bad[40] ^= 1;
+        assert!(matches!(Superblock::validate(&bad, sb.total_size, p), Err(Error::Corrupted { .. })));
+        // Consistent checksum but inconsistent offsets.
+        let mut forged = sb;
+        forged.heap_offset += 64;
+        forged.checksum = forged.compute_checksum();
+        let forged = bytemuck::bytes_of(&forged).to_vec();
+        assert!(matches!(
+            Superblock::validate(&forged, sb.total_size, p),
+            Err(Error::Corrupted { .. })
+        ));
+        let mut v = sb;
+        v.version = 99;
+        assert!(matches!(
+            Superblock::validate(bytemuck::bytes_of(&v), sb.total_size, p),
+            Err(Error::VersionMismatch { found: 99, .. })
+        ));
+        assert!(matches!(Superblock::validate(&ok[..100], 100, p), Err(Error::Truncated { .. })));
+    }
+
+    #[test]
+    fn params_out_of_range_are_config_errors() {
+        let mut p = params();
+        p.table_slots = 1000;
+        assert!(matches!(p.layout(), Err(Error::InvalidConfig { .. })));
+        let mut p = params();
+        p.heap_size = 100;
+        assert!(p.layout().is_err());
+    }
+}

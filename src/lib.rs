@@ -1,0 +1,53 @@
+//! # shmstore
+//!
+//! A lock-free shared-memory object store for handing large buffers (tensors, images,
+//! video frames) between processes on one machine without serialising or copying them,
+//! in the style of Plasma, built for LLM inference engines such as vLLM.
+//!
+//! One region per store (a `/dev/shm` file or a memfd) holds a lock-free segregated-fit
+//! allocator, a lock-free object table and one slot per attached process. Producers
+//! **create -> write -> seal**; any attached process **gets** an immutable zero-copy
+//! [`View`] that pins the object until dropped. A get blocks until the object is sealed,
+//! woken by a futex shared across processes. No process ever waits on a lock another
+//! process holds.
+//!
+//! ```
+//! use shmstore::{ObjectId, Store, StoreConfig};
+//! use std::time::Duration;
+//!
+//! // Engine process: create the store and put an item.
+//! let store = Store::create_anonymous(&StoreConfig::with_capacity(64 << 20))?;
+//! let pixels = vec![0u8; 3 * 224 * 224 * 4];
+//! let id = ObjectId::of_content(&pixels);
+//! store.put(&id, &pixels)?;
+//!
+//! // Worker process (here: the same one): only the id travels; the bytes are mapped.
+//! let view = store.get(&id, Duration::from_secs(1))?;
+//! assert_eq!(view.len(), pixels.len());
+//! # Ok::<(), shmstore::Error>(())
+//! ```
+//!
+//! Module map, lowest layer first (each depends only on those above it in this list):
+//! [`sync`](crate::sync) (atomics and futexes, loom-switchable) -> `layout` (superblock,
+//! section offsets) -> `region` (file, memfd, mapping) -> `alloc` (allocator) -> `table`
+//! (object table) -> `client` (per-process slots) -> `store` (public API).
+//! The design is in `docs/design.md`.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+#![cfg(target_os = "linux")]
+
+mod alloc;
+mod client;
+mod error;
+mod id;
+mod layout;
+mod region;
+mod store;
+pub(crate) mod sync;
+mod table;
+
+pub use error::{Error, Result};
+pub use id::{ObjectId, ParseObjectIdError};
+pub use region::HugePages;
+pub use store::{AttachOptions, Creation, Stats, Store, StoreConfig, View};

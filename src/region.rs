@@ -1,0 +1,338 @@
+//! The shared-memory region: creating, opening and mapping the backing file.
+//!
+//! Owns the file descriptor and the mapping. A named store is a file under a directory
+//! (default `/dev/shm`); an anonymous store is a memfd whose descriptor a child inherits or
+//! receives. Invariants this module guarantees to everything above it:
+//!
+//! * the memory is **reserved up front** (`posix_fallocate`), so a too-small `/dev/shm`
+//!   fails at create time with [`Error::InsufficientSpace`], never with a SIGBUS later;
+//! * a named store appears under its final name only when fully initialised (it is built
+//!   under a temporary name and hard-linked into place, which also refuses to clobber);
+//! * `open` reads and validates the superblock with `pread` *before* mapping, and maps only
+//!   a file at least as long as the validated layout, so a foreign, truncated, wrong-version
+//!   or corrupted file is a typed error, never UB or a SIGBUS;
+//! * memfd stores are sealed against shrinking and growing (`F_SEAL_SHRINK | F_SEAL_GROW`).
+//!   A named file can still be truncated by a process with write access to it; see
+//!   docs/security.md.
+
+use crate::error::{Error, Result};
+use crate::layout::{Superblock, PAGE};
+use memmap2::{MmapOptions, MmapRaw};
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+/// Transparent huge pages for the mapping.
+///
+/// ```
+/// let cfg = shmstore::StoreConfig { huge_pages: shmstore::HugePages::Try, ..Default::default() };
+/// assert_eq!(cfg.huge_pages, shmstore::HugePages::Try);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum HugePages {
+    /// Normal 4 KiB pages.
+    #[default]
+    Off,
+    /// Ask for transparent huge pages (`MADV_HUGEPAGE`); silently use normal pages where
+    /// the kernel has none for shared memory. [`crate::Stats::huge_pages`] says what
+    /// happened. For hugetlbfs, point [`crate::StoreConfig::dir`] at its mount instead.
+    Try,
+}
+
+/// A mapped region plus the file that backs it.
+pub(crate) struct Mapping {
+    map: MmapRaw,
+    file: File,
+    path: Option<PathBuf>,
+    huge: bool,
+}
+
+fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> Error + 'a {
+    move |source| Error::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Free bytes on the file system holding `dir`.
+pub(crate) fn free_space(dir: &Path) -> Option<u64> {
+    let c = CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: statvfs is plain-old-data; all-zero is a valid value to be overwritten.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path, `st` a valid out-pointer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+fn reserve(file: &File, len: u64, path: &Path) -> Result<()> {
+    // SAFETY: valid fd; posix_fallocate only touches the file's blocks.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+    match rc {
+        0 => Ok(()),
+        libc::ENOSPC => {
+            let dir = path.parent().unwrap_or(Path::new("/"));
+            Err(Error::InsufficientSpace {
+                path: path.to_path_buf(),
+                needed: len,
+                available: free_space(dir).unwrap_or(0),
+            })
+        }
+        e => Err(Error::Io {
+            op: "posix_fallocate",
+            path: path.to_path_buf(),
+            source: io::Error::from_raw_os_error(e),
+        }),
+    }
+}
+
+fn map(file: &File, len: u64, path: &Path) -> Result<MmapRaw> {
+    MmapOptions::new()
+        .len(len as usize)
+        .map_raw(file)
+        .map_err(io_err("mmap", path))
+}
+
+fn shmem_thp_enabled() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .map(|s| {
+            ["[always]", "[within_size]", "[advise]"]
+                .iter()
+                .any(|m| s.contains(m))
+        })
+        .unwrap_or(false)
+}
+
+impl Mapping {
+    fn finish(map: MmapRaw, file: File, path: Option<PathBuf>, huge: HugePages, prefault: bool) -> Self {
+        let mut huge_ok = false;
+        if huge == HugePages::Try {
+            // SAFETY: the range is exactly our live mapping; MADV_HUGEPAGE is advisory and
+            // does not change its contents.
+            let rc = unsafe {
+                libc::madvise(map.as_mut_ptr().cast(), map.len(), libc::MADV_HUGEPAGE)
+            };
+            huge_ok = rc == 0 && shmem_thp_enabled();
+        }
+        let m = Mapping {
+            map,
+            file,
+            path,
+            huge: huge_ok,
+        };
+        if prefault {
+            m.prefault();
+        }
+        m
+    }
+
+    /// Populates this process's page tables for the whole region, so first writes run at
+    /// warm speed. Contents are unchanged (MADV_POPULATE_WRITE does not write data).
+    pub(crate) fn prefault(&self) {
+        const MADV_POPULATE_WRITE: libc::c_int = 23;
+        // SAFETY: range is our live mapping. POPULATE_WRITE faults pages in as if written
+        // but leaves their contents alone; on kernels without it this fails with EINVAL and
+        // we fall back to WILLNEED, which is purely advisory.
+        let rc = unsafe {
+            libc::madvise(self.map.as_mut_ptr().cast(), self.map.len(), MADV_POPULATE_WRITE)
+        };
+        if rc != 0 {
+            // SAFETY: as above; advisory only.
+            unsafe {
+                libc::madvise(self.map.as_mut_ptr().cast(), self.map.len(), libc::MADV_WILLNEED)
+            };
+        }
+    }
+
+    /// Creates a named store file: reserve, map, write the superblock, then publish the name.
+    pub(crate) fn create_named(
+        dir: &Path,
+        name: &str,
+        sb: &Superblock,
+        mode: u32,
+        huge: HugePages,
+        prefault: bool,
+    ) -> Result<Mapping> {
+        check_name(name)?;
+        let path = dir.join(name);
+        if path.exists() {
+            return Err(Error::StoreExists { path });
+        }
+        if let Some(avail) = free_space(dir) {
+            if avail < sb.total_size {
+                return Err(Error::InsufficientSpace {
+                    path,
+                    needed: sb.total_size,
+                    available: avail,
+                });
+            }
+        }
+        let nonce = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let tmp = dir.join(format!(".{name}.{}.{nonce}.tmp", std::process::id()));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)
+            .map_err(io_err("create", &tmp))?;
+        let cleanup = |e: Error| {
+            let _ = std::fs::remove_file(&tmp);
+            e
+        };
+        reserve(&file, sb.total_size, &path).map_err(cleanup)?;
+        let map = map(&file, sb.total_size, &tmp).map_err(cleanup)?;
+        let m = Mapping::finish(map, file, Some(path.clone()), huge, prefault);
+        m.write_superblock(sb);
+        match std::fs::hard_link(&tmp, &path) {
+            Ok(()) => {
+                let _ = std::fs::remove_file(&tmp);
+                Ok(m)
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                Err(cleanup(Error::StoreExists { path }))
+            }
+            Err(e) => Err(cleanup(Error::Io {
+                op: "link",
+                path,
+                source: e,
+            })),
+        }
+    }
+
+    /// Creates an anonymous store in a sealed memfd.
+    pub(crate) fn create_memfd(sb: &Superblock, huge: HugePages, prefault: bool) -> Result<Mapping> {
+        let label = Path::new("memfd:shmstore");
+        // SAFETY: valid NUL-terminated name; flags are valid for memfd_create.
+        let fd = unsafe {
+            libc::memfd_create(
+                c"shmstore".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
+        if fd < 0 {
+            return Err(io_err("memfd_create", label)(io::Error::last_os_error()));
+        }
+        // SAFETY: memfd_create returned a fresh descriptor that nothing else owns.
+        let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        reserve(&file, sb.total_size, Path::new("/dev/shm/memfd"))?;
+        // SAFETY: valid fd; sealing only restricts future size changes.
+        let rc = unsafe {
+            libc::fcntl(
+                file.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+            )
+        };
+        if rc != 0 {
+            return Err(io_err("fcntl(F_ADD_SEALS)", label)(io::Error::last_os_error()));
+        }
+        let map = map(&file, sb.total_size, label)?;
+        let m = Mapping::finish(map, file, None, huge, prefault);
+        m.write_superblock(sb);
+        Ok(m)
+    }
+
+    /// Opens and validates an existing store file (a named store, or a memfd reached
+    /// through `/proc/PID/fd/N`).
+    pub(crate) fn open(path: &Path, huge: HugePages, prefault: bool) -> Result<(Mapping, Superblock)> {
+        let file = match OpenOptions::new().read(true).write(true).open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(Error::StoreNotFound {
+                    path: path.to_path_buf(),
+                })
+            }
+            Err(e) => return Err(io_err("open", path)(e)),
+        };
+        Self::open_file(file, Some(path.to_path_buf()), huge, prefault)
+    }
+
+    /// Validates and maps an already-open store file.
+    pub(crate) fn open_file(
+        file: File,
+        path: Option<PathBuf>,
+        huge: HugePages,
+        prefault: bool,
+    ) -> Result<(Mapping, Superblock)> {
+        let shown = path.clone().unwrap_or_else(|| PathBuf::from("<fd>"));
+        let len = file.metadata().map_err(io_err("fstat", &shown))?.len();
+        let mut head = vec![0u8; 256.min(len as usize)];
+        file.read_exact_at(&mut head, 0)
+            .map_err(io_err("read superblock", &shown))?;
+        let sb = Superblock::validate(&head, len, &shown)?;
+        let map = map(&file, sb.total_size, &shown)?;
+        let m = Mapping::finish(map, file, path, huge, prefault);
+        // The file could have been rewritten between our pread and the mmap; check again
+        // through the mapping (its length is already pinned by `total_size <= len`).
+        let mapped = Superblock::validate(m.bytes_prefix(), sb.total_size, &shown)?;
+        if mapped != sb {
+            return Err(Error::Corrupted {
+                what: format!("superblock of {} changed while opening", shown.display()),
+            });
+        }
+        Ok((m, sb))
+    }
+
+    fn write_superblock(&self, sb: &Superblock) {
+        let bytes = bytemuck::bytes_of(sb);
+        // SAFETY: the mapping is at least `total_size >= 256` bytes long, freshly created,
+        // and not yet visible to any other process (named: not yet linked; memfd: fd not
+        // yet shared), so no one else reads or writes these bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.as_mut_ptr(), bytes.len());
+        }
+    }
+
+    fn bytes_prefix(&self) -> &[u8] {
+        // SAFETY: the superblock is immutable after creation, the mapping is at least 256
+        // bytes long, and lives as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr(), 256) }
+    }
+
+    /// Start of the mapping.
+    pub(crate) fn base(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    /// Mapped length.
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// The backing file's path (None for anonymous stores).
+    pub(crate) fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// The backing file.
+    pub(crate) fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Whether transparent huge pages are in effect.
+    pub(crate) fn huge_pages(&self) -> bool {
+        self.huge
+    }
+}
+
+fn check_name(name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > 200 || name.contains('/') || name.starts_with('.') {
+        return Err(Error::InvalidConfig {
+            reason: format!(
+                "store name {name:?} must be 1-200 characters, without '/' and not starting with '.'"
+            ),
+        });
+    }
+    Ok(())
+}
+
+const _: () = assert!(PAGE == 4096);

@@ -1,0 +1,1142 @@
+//! The public store: `Store`, `Creation` (writer handle), `View` (pinned reader handle).
+//!
+//! This module wires the region, the allocator, the table and the client slot together and
+//! owns the rules that span them: a block is allocated before its table entry is inserted
+//! and freed only after the entry is unlinked and unpinned; every pin and unfinished
+//! creation is recorded in the process's client slot; every value read back from a table
+//! slot is range-checked against the heap before it becomes a pointer.
+//!
+//! Handles (`Creation`, `View`) hold an `Arc` of the attached store, so they are
+//! `'static + Send` and may outlive the `Store` value they came from.
+
+use crate::alloc::{Allocator, Block, BlockKind, Padded, SlabDesc, CLASS_SIZES};
+use crate::client::{self, encode_hold, Client, ClientHeader, HoldKind};
+use crate::error::{Error, Result};
+use crate::layout::{Params, Superblock, MAX_META, PAGE, WAIT_BUCKETS};
+use crate::region::{HugePages, Mapping};
+use crate::sync::AtomicU64;
+use crate::table::{Entry, Pin, Slot, SlotRef, Table, WaitBucket, CREATING, DELETED, SEALED};
+use crate::ObjectId;
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How to create a store.
+///
+/// ```
+/// use shmstore::StoreConfig;
+/// let cfg = StoreConfig { max_objects: 1024, ..StoreConfig::with_capacity(64 << 20) };
+/// assert_eq!(cfg.capacity, 64 << 20);
+/// ```
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// Payload bytes (rounded up to a multiple of 64 KiB). Metadata comes on top.
+    pub capacity: u64,
+    /// Objects the table is sized for; the table has at least twice as many slots.
+    pub max_objects: u64,
+    /// Processes that may be attached at once.
+    pub max_clients: u32,
+    /// Pins plus unfinished creations one process may hold at once (rounded up to 64).
+    pub holds_per_client: u32,
+    /// Directory for named stores.
+    pub dir: PathBuf,
+    /// File mode of a named store.
+    pub mode: u32,
+    /// Populate page tables at attach so first writes run at warm speed.
+    pub prefault: bool,
+    /// Transparent huge pages.
+    pub huge_pages: HugePages,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            capacity: 256 << 20,
+            max_objects: 1 << 16,
+            max_clients: 64,
+            holds_per_client: 4096,
+            dir: PathBuf::from("/dev/shm"),
+            mode: 0o600,
+            prefault: true,
+            huge_pages: HugePages::Off,
+        }
+    }
+}
+
+impl StoreConfig {
+    /// The defaults with the given payload capacity.
+    ///
+    /// ```
+    /// assert_eq!(shmstore::StoreConfig::with_capacity(1 << 30).capacity, 1 << 30);
+    /// ```
+    pub fn with_capacity(capacity: u64) -> Self {
+        StoreConfig {
+            capacity,
+            ..Default::default()
+        }
+    }
+
+    fn params(&self) -> Params {
+        let slab = crate::layout::SLAB;
+        let slots = (self.max_objects.max(16) * 2)
+            .checked_next_power_of_two()
+            .unwrap_or(u64::MAX);
+        Params {
+            heap_size: self.capacity.div_ceil(slab).saturating_mul(slab),
+            table_slots: slots,
+            max_clients: self.max_clients as u64,
+            holds_per_client: (self.holds_per_client as u64).div_ceil(64) * 64,
+        }
+    }
+}
+
+/// How to attach to an existing store.
+///
+/// ```
+/// let opts = shmstore::AttachOptions { prefault: false, ..Default::default() };
+/// assert!(!opts.prefault);
+/// ```
+#[derive(Clone, Debug)]
+pub struct AttachOptions {
+    /// Populate page tables at attach.
+    pub prefault: bool,
+    /// Transparent huge pages.
+    pub huge_pages: HugePages,
+}
+
+impl Default for AttachOptions {
+    fn default() -> Self {
+        AttachOptions {
+            prefault: true,
+            huge_pages: HugePages::Off,
+        }
+    }
+}
+
+/// A snapshot of a store's occupancy.
+///
+/// ```
+/// use shmstore::{ObjectId, Store, StoreConfig};
+/// let s = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20)).unwrap();
+/// s.put(&ObjectId::of_key("k"), b"v").unwrap();
+/// let st = s.stats();
+/// assert_eq!((st.objects, st.used + st.free), (1, st.capacity));
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Payload capacity in bytes.
+    pub capacity: u64,
+    /// Bytes in allocated blocks.
+    pub used: u64,
+    /// `capacity - used`.
+    pub free: u64,
+    /// The largest block that could be allocated now.
+    pub largest_free: u64,
+    /// Sealed objects.
+    pub objects: u64,
+    /// Objects being written.
+    pub creating: u64,
+    /// Objects (sealed or deleted-but-draining) with at least one pin.
+    pub pinned: u64,
+    /// Total pins held.
+    pub pins: u64,
+    /// Deleted objects whose memory waits for the last pin.
+    pub draining: u64,
+    /// Processes attached.
+    pub clients: u64,
+    /// Object table slots.
+    pub table_slots: u64,
+    /// Whether transparent huge pages are in effect for this process's mapping.
+    pub huge_pages: bool,
+}
+
+/// Types that may be viewed in place over shared memory: every bit pattern is a valid
+/// value (atomics and plain integers only), and all-zero is their empty state.
+///
+/// # Safety
+/// Implementors must be `repr(C)` aggregates of atomics and integers, valid for any bytes.
+unsafe trait SharedPod {}
+// SAFETY: atomics of u64 are valid for every bit pattern.
+unsafe impl SharedPod for AtomicU64 {}
+// SAFETY: Padded is repr(C) around an AtomicU64 plus alignment padding.
+unsafe impl SharedPod for Padded<AtomicU64> {}
+// SAFETY: repr(C) of AtomicU64s.
+unsafe impl SharedPod for SlabDesc {}
+// SAFETY: repr(C) of AtomicU64s.
+unsafe impl SharedPod for Slot {}
+// SAFETY: repr(C) of AtomicU32s.
+unsafe impl SharedPod for WaitBucket {}
+// SAFETY: repr(C) of AtomicU64s.
+unsafe impl SharedPod for ClientHeader {}
+
+/// Views `count` values of `T` at byte offset `off` of the mapping.
+///
+/// # Safety
+/// `base` must point to a mapping of `total` bytes that stays mapped for `'static` as far
+/// as the returned slice's users can tell (the caller ties it to the `Inner` that owns the
+/// mapping and never lets the slice escape it).
+unsafe fn section<T: SharedPod>(base: *mut u8, total: usize, off: u64, count: u64) -> Result<&'static [T]> {
+    let bytes = count.checked_mul(std::mem::size_of::<T>() as u64);
+    let end = bytes.and_then(|b| b.checked_add(off));
+    if end.is_none_or(|e| e > total as u64) || (base as usize + off as usize) % std::mem::align_of::<T>() != 0 {
+        return Err(Error::Corrupted {
+            what: format!("section at {off} ({count} items) does not fit the mapping"),
+        });
+    }
+    // SAFETY: in bounds and aligned (checked above); T is valid for any bytes (SharedPod);
+    // lifetime per this function's contract. All access is through atomics.
+    Ok(unsafe { std::slice::from_raw_parts(base.add(off as usize) as *const T, count as usize) })
+}
+
+/// The attached store, shared by every handle of this process.
+struct Inner {
+    // Field order: the sections borrow from `map`, which must drop last.
+    pages: &'static [AtomicU64],
+    slabs: &'static [SlabDesc],
+    partial: &'static [AtomicU64],
+    hints: &'static [Padded<AtomicU64>],
+    slots: &'static [Slot],
+    buckets: &'static [AtomicU64],
+    waits: &'static [WaitBucket],
+    client_header: &'static ClientHeader,
+    client_holds: &'static [AtomicU64],
+    client_index: u16,
+    hold_cursor: AtomicU64,
+    heap: *mut u8,
+    sb: Superblock,
+    map: Mapping,
+}
+
+// SAFETY: `heap` points into the shared mapping owned by `map`; all shared state is accessed
+// through atomics, and payload bytes are written only through a `Creation` (unique writer)
+// and read only after seal (immutable thereafter while pinned).
+unsafe impl Send for Inner {}
+// SAFETY: as above.
+unsafe impl Sync for Inner {}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Every handle holds an Arc<Inner>, so no pins or creations remain: leave the slot.
+        self.client().release();
+    }
+}
+
+impl Inner {
+    fn attach(map: Mapping, sb: Superblock) -> Result<Arc<Inner>> {
+        let base = map.base();
+        let total = map.len();
+        // SAFETY: `base`/`total` describe `map`, which `Inner` owns and drops after these
+        // slices (field order); the slices never leave `Inner`.
+        let (pages, slabs, partial, hints, slots, buckets, waits) = unsafe {
+            (
+                section(base, total, sb.page_bitmap_offset, sb.pages.div_ceil(64))?,
+                section(base, total, sb.slab_desc_offset, sb.slabs)?,
+                section(base, total, sb.partial_offset, sb.partial_words * crate::layout::CLASSES)?,
+                section(base, total, sb.hints_offset, crate::layout::CLASSES + 1)?,
+                section(base, total, sb.slots_offset, sb.table_slots)?,
+                section(base, total, sb.buckets_offset, sb.table_slots)?,
+                section(base, total, sb.wait_offset, WAIT_BUCKETS)?,
+            )
+        };
+        let pid = std::process::id();
+        let start = client::process_start_time(pid).unwrap_or(0);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let mut claimed = None;
+        for i in 0..sb.max_clients {
+            // SAFETY: as above.
+            let (header, holds) = unsafe { client_sections(base, total, &sb, i)? };
+            if (Client { header, holds }).try_claim(pid as u64, start, now) {
+                claimed = Some((i as u16, header, holds));
+                break;
+            }
+        }
+        let Some((client_index, client_header, client_holds)) = claimed else {
+            return Err(Error::TooManyClients {
+                max: sb.max_clients as u32,
+            });
+        };
+        if sb.heap_offset + sb.heap_size > total as u64 {
+            return Err(Error::Corrupted {
+                what: "heap extends past the mapping".into(),
+            });
+        }
+        Ok(Arc::new(Inner {
+            pages,
+            slabs,
+            partial,
+            hints,
+            slots,
+            buckets,
+            waits,
+            client_header,
+            client_holds,
+            client_index,
+            hold_cursor: AtomicU64::new(0),
+            // SAFETY: heap_offset + heap_size <= total (checked above).
+            heap: unsafe { base.add(sb.heap_offset as usize) },
+            sb,
+            map,
+        }))
+    }
+
+    fn alloc(&self) -> Allocator<'_> {
+        Allocator::new(self.pages, self.sb.pages, self.slabs, self.partial, self.hints)
+    }
+
+    fn table(&self) -> Table<'_> {
+        Table::new(self.slots, self.buckets, self.waits)
+    }
+
+    fn client(&self) -> Client<'_> {
+        Client {
+            header: self.client_header,
+            holds: self.client_holds,
+        }
+    }
+
+    fn hold(&self, kind: HoldKind, r: SlotRef) -> Result<u32> {
+        self.client().add_hold(encode_hold(kind, r), &self.hold_cursor)
+    }
+
+    /// Checks an entry read from shared memory and turns it into a block and pointers.
+    fn resolve(&self, e: &Entry) -> Result<Resolved> {
+        let bad = || Error::Corrupted {
+            what: format!("table entry {e:?} does not describe a block in the heap"),
+        };
+        let kind = BlockKind::decode(e.kind).ok_or_else(bad)?;
+        if e.meta_len as u64 > MAX_META || e.offset % 64 != 0 {
+            return Err(bad());
+        }
+        let meta_pad = pad64(e.meta_len as u64);
+        let need = meta_pad.checked_add(e.len).ok_or_else(bad)?.max(1);
+        let size = match kind {
+            BlockKind::Pages => need.div_ceil(PAGE) * PAGE,
+            BlockKind::Slab(c) => CLASS_SIZES[c as usize],
+        };
+        if need > size || e.offset.checked_add(size).is_none_or(|end| end > self.sb.heap_size) {
+            return Err(bad());
+        }
+        // SAFETY: offset + size <= heap_size (checked), so both pointers stay in the heap.
+        let (meta, data) = unsafe {
+            let m = self.heap.add(e.offset as usize);
+            (m, m.add(meta_pad as usize))
+        };
+        Ok(Resolved {
+            block: Block {
+                offset: e.offset,
+                size,
+                kind,
+            },
+            meta,
+            data,
+        })
+    }
+
+    /// Frees the block of a fully released entry and returns its slot.
+    fn reclaim(&self, r: SlotRef, e: Entry) -> Result<()> {
+        let res = self.resolve(&e);
+        let freed = res.and_then(|x| self.alloc().free(x.block));
+        // Release the slot even if the entry was corrupt: never strand a table slot.
+        self.table().release(r);
+        freed
+    }
+}
+
+struct Resolved {
+    block: Block,
+    meta: *mut u8,
+    data: *mut u8,
+}
+
+fn pad64(x: u64) -> u64 {
+    x.div_ceil(64) * 64
+}
+
+/// Client `i`'s header and hold records.
+///
+/// # Safety
+/// Same contract as [`section`].
+unsafe fn client_sections(
+    base: *mut u8,
+    total: usize,
+    sb: &Superblock,
+    i: u64,
+) -> Result<(&'static ClientHeader, &'static [AtomicU64])> {
+    let off = sb.clients_offset + i * sb.client_stride;
+    // SAFETY: forwarded contract; bounds and alignment are checked inside `section`.
+    unsafe {
+        let h: &'static [ClientHeader] = section(base, total, off, 1)?;
+        let holds = section(base, total, off + crate::layout::CLIENT_HEADER, sb.holds_per_client)?;
+        Ok((&h[0], holds))
+    }
+}
+
+/// A handle to an attached store. Cheap to clone; every clone shares one attachment.
+///
+/// ```
+/// use shmstore::{ObjectId, Store, StoreConfig};
+/// use std::time::Duration;
+///
+/// let store = Store::create_anonymous(&StoreConfig::with_capacity(16 << 20))?;
+/// let id = ObjectId::of_content(b"pixels");
+/// store.put(&id, b"pixels")?;
+/// let view = store.get(&id, Duration::from_secs(1))?;
+/// assert_eq!(&*view, b"pixels");
+/// # Ok::<(), shmstore::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store")
+            .field("path", &self.inner.map.path())
+            .field("capacity", &self.inner.sb.heap_size)
+            .field("client", &self.inner.client_index)
+            .finish()
+    }
+}
+
+impl Store {
+    /// Creates a named store `dir/name` (default dir `/dev/shm`) and attaches to it.
+    ///
+    /// Fails with [`Error::StoreExists`] if the name is taken and with
+    /// [`Error::InsufficientSpace`] if the file system cannot hold it.
+    ///
+    /// ```
+    /// use shmstore::{Store, StoreConfig};
+    /// let name = format!("doc-create-{}", std::process::id());
+    /// let store = Store::create(&name, &StoreConfig::with_capacity(1 << 20))?;
+    /// assert!(store.path().unwrap().ends_with(&name));
+    /// store.unlink()?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn create(name: &str, cfg: &StoreConfig) -> Result<Store> {
+        let sb = Self::superblock_for(cfg)?;
+        let map = Mapping::create_named(&cfg.dir, name, &sb, cfg.mode, cfg.huge_pages, cfg.prefault)?;
+        Self::attach(map, sb)
+    }
+
+    /// Creates an anonymous store in a memfd. Share it with [`Store::fd`] (a child opens
+    /// `/proc/<pid>/fd/<fd>` with [`Store::open_path`], or receives the descriptor).
+    ///
+    /// ```
+    /// let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// assert!(store.path().is_none());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn create_anonymous(cfg: &StoreConfig) -> Result<Store> {
+        let sb = Self::superblock_for(cfg)?;
+        let map = Mapping::create_memfd(&sb, cfg.huge_pages, cfg.prefault)?;
+        Self::attach(map, sb)
+    }
+
+    /// Opens the named store `/dev/shm/name`.
+    ///
+    /// ```no_run
+    /// let store = shmstore::Store::open("vllm-mm-cache")?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn open(name: &str) -> Result<Store> {
+        Self::open_path(Path::new("/dev/shm").join(name))
+    }
+
+    /// Opens a store by path (a named store in any directory, or `/proc/PID/fd/N`).
+    ///
+    /// ```
+    /// use shmstore::{Store, StoreConfig};
+    /// let name = format!("doc-open-{}", std::process::id());
+    /// let a = Store::create(&name, &StoreConfig::with_capacity(1 << 20))?;
+    /// let b = Store::open_path(a.path().unwrap())?;
+    /// assert_eq!(b.stats().capacity, a.stats().capacity);
+    /// a.unlink()?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn open_path(path: impl AsRef<Path>) -> Result<Store> {
+        Self::open_with(path, &AttachOptions::default())
+    }
+
+    /// [`open_path`](Self::open_path) with explicit attach options.
+    ///
+    /// ```no_run
+    /// let opts = shmstore::AttachOptions { prefault: false, ..Default::default() };
+    /// let store = shmstore::Store::open_with("/dev/shm/big", &opts)?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn open_with(path: impl AsRef<Path>, opts: &AttachOptions) -> Result<Store> {
+        let (map, sb) = Mapping::open(path.as_ref(), opts.huge_pages, opts.prefault)?;
+        Self::attach(map, sb)
+    }
+
+    /// Removes the store's name; attached processes keep working, and the memory is
+    /// returned when the last one detaches. No-op for anonymous stores.
+    ///
+    /// ```
+    /// use shmstore::{Store, StoreConfig};
+    /// let s = Store::create(&format!("doc-unlink-{}", std::process::id()), &StoreConfig::with_capacity(1 << 20))?;
+    /// s.unlink()?;
+    /// assert!(!s.path().unwrap().exists());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn unlink(&self) -> Result<()> {
+        match self.inner.map.path() {
+            Some(p) => std::fs::remove_file(p).map_err(|source| Error::Io {
+                op: "unlink",
+                path: p.to_path_buf(),
+                source,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn superblock_for(cfg: &StoreConfig) -> Result<Superblock> {
+        let mut sb = cfg.params().layout()?;
+        sb.created_unix_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        sb.checksum = sb.compute_checksum();
+        Ok(sb)
+    }
+
+    fn attach(map: Mapping, sb: Superblock) -> Result<Store> {
+        Ok(Store {
+            inner: Inner::attach(map, sb)?,
+        })
+    }
+
+    /// The backing file, if the store is named.
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// assert_eq!(s.path(), None);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn path(&self) -> Option<&Path> {
+        self.inner.map.path()
+    }
+
+    /// The backing file descriptor (to hand an anonymous store to another process).
+    ///
+    /// ```
+    /// use std::os::fd::AsRawFd;
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// let other = shmstore::Store::open_path(format!("/proc/self/fd/{}", s.fd().as_raw_fd()))?;
+    /// assert_eq!(other.stats().clients, 2);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.inner.map.file().as_fd()
+    }
+
+    /// The largest object this store can ever hold.
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// assert_eq!(s.max_object_size(), 1 << 20);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn max_object_size(&self) -> u64 {
+        self.inner.alloc().max_object()
+    }
+
+    /// Starts creating object `id` of `len` bytes. Write through the returned handle, then
+    /// [`Creation::seal`]; dropping it unsealed aborts and frees the memory.
+    ///
+    /// ```
+    /// use shmstore::{Error, ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let id = ObjectId::of_key("frame-0");
+    /// let mut c = store.create_object(&id, 4)?;
+    /// c.copy_from_slice(&[1, 2, 3, 4]);
+    /// assert!(matches!(store.create_object(&id, 4), Err(Error::AlreadyExists { .. })));
+    /// c.seal()?;
+    /// assert!(store.contains(&id));
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn create_object(&self, id: &ObjectId, len: u64) -> Result<Creation> {
+        self.create_object_with_meta(id, len, &[])
+    }
+
+    /// Like [`create_object`](Self::create_object), with a small metadata blob (at most
+    /// 4 KiB, e.g. a dtype/shape header) stored in the same block, readable through
+    /// [`View::meta`].
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let id = ObjectId::of_key("t");
+    /// let mut c = store.create_object_with_meta(&id, 8, b"f32[2]")?;
+    /// c.copy_from_slice(&[0; 8]);
+    /// c.seal()?;
+    /// assert_eq!(store.try_get(&id)?.meta(), b"f32[2]");
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn create_object_with_meta(&self, id: &ObjectId, len: u64, meta: &[u8]) -> Result<Creation> {
+        if meta.len() as u64 > MAX_META {
+            return Err(Error::MetadataTooLarge {
+                len: meta.len(),
+                max: MAX_META as usize,
+            });
+        }
+        let inner = &self.inner;
+        let need = pad64(meta.len() as u64)
+            .checked_add(len)
+            .ok_or(Error::TooLarge { requested: u64::MAX, max: self.max_object_size() })?;
+        let block = inner.alloc().alloc(need)?;
+        let entry = Entry {
+            offset: block.offset,
+            len,
+            meta_len: meta.len() as u16,
+            kind: block.kind.encode(),
+            creator: inner.client_index,
+        };
+        let slot = match inner.table().insert(id, &entry) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = inner.alloc().free(block);
+                return Err(e);
+            }
+        };
+        let abort = |e: Error| {
+            if let Ok(Some(entry)) = inner.table().abort(id, slot) {
+                let _ = inner.reclaim(slot, entry);
+            }
+            e
+        };
+        let hold = inner.hold(HoldKind::Creation, slot).map_err(abort)?;
+        let res = inner.resolve(&entry).map_err(abort)?;
+        // SAFETY: the block is ours alone until sealed (fresh allocation, entry CREATING,
+        // unsealed objects cannot be pinned); meta fits before the data (resolve checked).
+        unsafe { std::ptr::copy_nonoverlapping(meta.as_ptr(), res.meta, meta.len()) };
+        Ok(Creation {
+            inner: Arc::clone(&self.inner),
+            id: *id,
+            slot,
+            hold,
+            data: res.data,
+            len: len as usize,
+            done: false,
+        })
+    }
+
+    /// Creates, copies and seals in one call.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let bytes = vec![7u8; 10_000];
+    /// let id = ObjectId::of_content(&bytes);
+    /// store.put(&id, &bytes)?;
+    /// assert_eq!(&*store.try_get(&id)?, &bytes[..]);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn put(&self, id: &ObjectId, bytes: &[u8]) -> Result<()> {
+        self.put_with_meta(id, bytes, &[])
+    }
+
+    /// [`put`](Self::put) with per-object metadata.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// store.put_with_meta(&ObjectId::of_key("a"), b"xy", b"u8[2]")?;
+    /// assert_eq!(store.try_get(&ObjectId::of_key("a"))?.meta(), b"u8[2]");
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn put_with_meta(&self, id: &ObjectId, bytes: &[u8], meta: &[u8]) -> Result<()> {
+        let mut c = self.create_object_with_meta(id, bytes.len() as u64, meta)?;
+        c.copy_from_slice(bytes);
+        c.seal()
+    }
+
+    /// Gets a sealed object, waiting up to `timeout` for it to be created and sealed. The
+    /// returned view pins the object until dropped.
+    ///
+    /// ```
+    /// use shmstore::{Error, ObjectId, Store, StoreConfig};
+    /// use std::time::Duration;
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let id = ObjectId::of_key("late");
+    /// assert!(matches!(store.get(&id, Duration::from_millis(5)), Err(Error::Timeout { .. })));
+    /// let s2 = store.clone();
+    /// let t = std::thread::spawn(move || s2.get(&id, Duration::from_secs(10)).map(|v| v.to_vec()));
+    /// store.put(&id, b"ok")?;
+    /// assert_eq!(t.join().unwrap()?, b"ok");
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn get(&self, id: &ObjectId, timeout: Duration) -> Result<View> {
+        let start = Instant::now();
+        let deadline = start.checked_add(timeout).unwrap_or(start + Duration::from_secs(1 << 32));
+        match self.inner.table().pin_wait(id, Some(deadline))? {
+            Pin::Pinned(r, e) => self.view(id, r, e),
+            _ => Err(Error::Timeout {
+                id: *id,
+                waited: start.elapsed(),
+            }),
+        }
+    }
+
+    /// Gets a sealed object without waiting; [`Error::NotFound`] if it is absent or not
+    /// sealed yet.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// assert!(store.try_get(&ObjectId::of_key("nope")).is_err());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn try_get(&self, id: &ObjectId) -> Result<View> {
+        match self.inner.table().pin_wait(id, None)? {
+            Pin::Pinned(r, e) => self.view(id, r, e),
+            _ => Err(Error::NotFound { id: *id }),
+        }
+    }
+
+    /// Gets several objects, all within one overall `timeout`.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// use std::time::Duration;
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let ids: Vec<_> = (0..3).map(|i| ObjectId::of_key(format!("{i}"))).collect();
+    /// for id in &ids { store.put(id, b"x")?; }
+    /// assert_eq!(store.get_many(&ids, Duration::from_secs(1))?.len(), 3);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn get_many(&self, ids: &[ObjectId], timeout: Duration) -> Result<Vec<View>> {
+        let start = Instant::now();
+        let deadline = start.checked_add(timeout).unwrap_or(start + Duration::from_secs(1 << 32));
+        ids.iter()
+            .map(|id| self.get(id, deadline.saturating_duration_since(Instant::now())))
+            .collect()
+    }
+
+    fn view(&self, id: &ObjectId, r: SlotRef, e: Entry) -> Result<View> {
+        let inner = &self.inner;
+        let undo = |err: Error| {
+            if let Ok(Some(entry)) = inner.table().unpin(r) {
+                let _ = inner.reclaim(r, entry);
+            }
+            err
+        };
+        let res = inner.resolve(&e).map_err(undo)?;
+        let hold = inner.hold(HoldKind::Pin, r).map_err(undo)?;
+        Ok(View {
+            inner: Arc::clone(inner),
+            id: *id,
+            slot: r,
+            hold,
+            meta: res.meta,
+            meta_len: e.meta_len as usize,
+            data: res.data,
+            len: e.len as usize,
+        })
+    }
+
+    /// Is `id` present and sealed?
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// assert!(!store.contains(&ObjectId::of_key("x")));
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn contains(&self, id: &ObjectId) -> bool {
+        self.inner.table().contains_sealed(id)
+    }
+
+    /// Deletes a sealed object. New gets stop finding it at once; its memory is freed when
+    /// the last view of it drops.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let id = ObjectId::of_key("x");
+    /// store.put(&id, b"abc")?;
+    /// let view = store.try_get(&id)?;
+    /// store.delete(&id)?;
+    /// assert!(!store.contains(&id));
+    /// assert_eq!(&*view, b"abc"); // still readable while pinned
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn delete(&self, id: &ObjectId) -> Result<()> {
+        match self.inner.table().delete(id)? {
+            Some((r, e)) => self.inner.reclaim(r, e),
+            None => Ok(()),
+        }
+    }
+
+    /// Occupancy figures (scans the allocator and the table: microseconds to milliseconds).
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// assert_eq!(s.stats().used, 0);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn stats(&self) -> Stats {
+        let u = self.inner.alloc().usage();
+        let mut st = Stats {
+            capacity: u.capacity,
+            used: u.used,
+            free: u.free,
+            largest_free: u.largest_free,
+            table_slots: self.inner.sb.table_slots,
+            huge_pages: self.inner.map.huge_pages(),
+            ..Default::default()
+        };
+        self.inner.table().scan(|_, c, _, _| {
+            match c.state() {
+                SEALED => st.objects += 1,
+                CREATING => st.creating += 1,
+                DELETED => st.draining += 1,
+                _ => {}
+            }
+            if c.pins() > 0 && c.state() == SEALED || c.state() == DELETED && c.pins() > 0 {
+                st.pinned += 1;
+                st.pins += c.pins();
+            }
+        });
+        st.clients = self.clients_attached();
+        st
+    }
+
+    fn clients_attached(&self) -> u64 {
+        let inner = &self.inner;
+        (0..inner.sb.max_clients)
+            .filter(|&i| {
+                // SAFETY: same mapping and contract as at attach.
+                unsafe { client_sections(inner.map.base(), inner.map.len(), &inner.sb, i) }
+                    .map(|(header, holds)| Client { header, holds }.is_attached())
+                    .unwrap_or(false)
+            })
+            .count() as u64
+    }
+
+    /// Checks every internal invariant: allocator bitmaps agree with their counts, every
+    /// table entry describes an allocated block inside the heap, no two blocks overlap, and
+    /// `used` equals the sum of the live blocks. Expensive (a full scan); meant for tests
+    /// and diagnostics when nothing else is running.
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// s.put(&shmstore::ObjectId::of_key("a"), &[1; 100])?;
+    /// s.check_invariants()?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn check_invariants(&self) -> Result<()> {
+        let inner = &self.inner;
+        inner.alloc().audit()?;
+        let mut blocks = Vec::new();
+        let mut err = None;
+        inner.table().scan(|i, c, _, e| {
+            if c.state() == crate::table::RESERVED || err.is_some() {
+                return;
+            }
+            match inner.resolve(&e) {
+                Ok(r) => blocks.push((r.block.offset, r.block.size, i)),
+                Err(e) => err = Some(e),
+            }
+        });
+        if let Some(e) = err {
+            return Err(e);
+        }
+        blocks.sort_unstable();
+        for w in blocks.windows(2) {
+            if w[0].0 + w[0].1 > w[1].0 {
+                return Err(Error::Corrupted {
+                    what: format!("blocks of slots {} and {} overlap", w[0].2, w[1].2),
+                });
+            }
+        }
+        let (mut table_pins, mut creating) = (0u64, 0u64);
+        inner.table().scan(|_, c, _, _| match c.state() {
+            SEALED | DELETED => table_pins += c.pins(),
+            CREATING => creating += 1,
+            _ => {}
+        });
+        let (mut held_pins, mut held_creations) = (0u64, 0u64);
+        for i in 0..inner.sb.max_clients {
+            // SAFETY: same mapping and contract as at attach.
+            let (header, holds) = unsafe { client_sections(inner.map.base(), inner.map.len(), &inner.sb, i)? };
+            for (kind, _) in (Client { header, holds }).holds() {
+                match kind {
+                    HoldKind::Pin => held_pins += 1,
+                    HoldKind::Creation => held_creations += 1,
+                }
+            }
+        }
+        if (table_pins, creating) != (held_pins, held_creations) {
+            return Err(Error::Corrupted {
+                what: format!(
+                    "table has {table_pins} pins and {creating} creations, clients hold \
+                     {held_pins} pins and {held_creations} creations"
+                ),
+            });
+        }
+        let sum: u64 = blocks.iter().map(|b| b.1).sum();
+        let used = inner.alloc().usage().used;
+        if sum != used {
+            return Err(Error::Corrupted {
+                what: format!("allocator says {used} bytes used, table entries own {sum}"),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A writer handle: `&mut [u8]` over an object's memory until [`seal`](Self::seal).
+/// Dropping it without sealing aborts the creation and frees the memory.
+///
+/// ```
+/// use shmstore::{ObjectId, Store, StoreConfig};
+/// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+/// let id = ObjectId::of_key("x");
+/// let c = store.create_object(&id, 100)?;
+/// drop(c); // aborted
+/// assert!(!store.contains(&id));
+/// assert_eq!(store.stats().used, 0);
+/// # Ok::<(), shmstore::Error>(())
+/// ```
+pub struct Creation {
+    inner: Arc<Inner>,
+    id: ObjectId,
+    slot: SlotRef,
+    hold: u32,
+    data: *mut u8,
+    len: usize,
+    done: bool,
+}
+
+// SAFETY: the handle is the unique writer of its block; moving it to another thread moves
+// that exclusivity with it.
+unsafe impl Send for Creation {}
+// SAFETY: `&Creation` only gives shared reads of the block.
+unsafe impl Sync for Creation {}
+
+impl Creation {
+    /// The object's id.
+    ///
+    /// ```
+    /// # let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// let id = shmstore::ObjectId::of_key("a");
+    /// assert_eq!(store.create_object(&id, 1)?.id(), id);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn id(&self) -> ObjectId {
+        self.id
+    }
+
+    /// Publishes the object: from now on its bytes never change while anyone pins it, and
+    /// getters blocked on it wake up.
+    ///
+    /// ```
+    /// # let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// let id = shmstore::ObjectId::of_key("a");
+    /// let mut c = store.create_object(&id, 1)?;
+    /// c[0] = 9;
+    /// c.seal()?;
+    /// assert_eq!(store.try_get(&id)?[0], 9);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn seal(mut self) -> Result<()> {
+        self.done = true;
+        let r = self.inner.table().seal(&self.id, self.slot);
+        self.inner.client().clear_hold(self.hold);
+        r
+    }
+
+    /// Abandons the object and frees its memory (the same as dropping the handle).
+    ///
+    /// ```
+    /// # let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// let id = shmstore::ObjectId::of_key("a");
+    /// store.create_object(&id, 1)?.abort();
+    /// assert!(store.create_object(&id, 1).is_ok());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn abort(mut self) {
+        self.do_abort();
+    }
+
+    fn do_abort(&mut self) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let inner = &self.inner;
+        if let Ok(Some(e)) = inner.table().abort(&self.id, self.slot) {
+            let _ = inner.reclaim(self.slot, e);
+        }
+        inner.client().clear_hold(self.hold);
+    }
+}
+
+impl Drop for Creation {
+    fn drop(&mut self) {
+        self.do_abort();
+    }
+}
+
+impl Deref for Creation {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `data..data+len` lies in our block (checked by `resolve`), which stays
+        // allocated while this handle lives and is written only through it.
+        unsafe { std::slice::from_raw_parts(self.data, self.len) }
+    }
+}
+
+impl DerefMut for Creation {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; `&mut self` makes this the only live reference.
+        unsafe { std::slice::from_raw_parts_mut(self.data, self.len) }
+    }
+}
+
+impl fmt::Debug for Creation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Creation").field("id", &self.id).field("len", &self.len).finish()
+    }
+}
+
+/// An immutable, zero-copy view of a sealed object. Pins the object until dropped: its
+/// bytes stay valid and unchanged even if the object is deleted meanwhile.
+///
+/// ```
+/// use shmstore::{ObjectId, Store, StoreConfig};
+/// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+/// let id = ObjectId::of_key("v");
+/// store.put(&id, b"hello")?;
+/// let v = store.try_get(&id)?;
+/// let v2 = v.try_clone()?; // another pin
+/// std::thread::spawn(move || assert_eq!(&*v2, b"hello")).join().unwrap();
+/// assert_eq!(v.len(), 5);
+/// # Ok::<(), shmstore::Error>(())
+/// ```
+pub struct View {
+    inner: Arc<Inner>,
+    id: ObjectId,
+    slot: SlotRef,
+    hold: u32,
+    meta: *const u8,
+    meta_len: usize,
+    data: *const u8,
+    len: usize,
+}
+
+// SAFETY: a view only reads immutable (sealed, pinned) bytes; unpinning is atomic.
+unsafe impl Send for View {}
+// SAFETY: as above.
+unsafe impl Sync for View {}
+
+impl View {
+    /// The object's id.
+    ///
+    /// ```
+    /// # let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// # let id = shmstore::ObjectId::of_key("a"); store.put(&id, b"")?;
+    /// assert_eq!(store.try_get(&id)?.id(), id);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn id(&self) -> ObjectId {
+        self.id
+    }
+
+    /// The object's metadata blob (empty if none was given).
+    ///
+    /// ```
+    /// # let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// # let id = shmstore::ObjectId::of_key("a"); store.put(&id, b"")?;
+    /// assert!(store.try_get(&id)?.meta().is_empty());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn meta(&self) -> &[u8] {
+        // SAFETY: within the pinned block (checked by `resolve`); immutable after seal.
+        unsafe { std::slice::from_raw_parts(self.meta, self.meta_len) }
+    }
+
+    /// Another view of the same object, with its own pin.
+    ///
+    /// ```
+    /// # let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// # let id = shmstore::ObjectId::of_key("a"); store.put(&id, b"abc")?;
+    /// let v = store.try_get(&id)?;
+    /// let w = v.try_clone()?;
+    /// drop(v);
+    /// assert_eq!(&*w, b"abc");
+    /// assert_eq!(store.stats().pins, 1);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn try_clone(&self) -> Result<View> {
+        let inner = &self.inner;
+        inner.table().add_pin(self.slot)?;
+        let hold = match inner.hold(HoldKind::Pin, self.slot) {
+            Ok(h) => h,
+            Err(e) => {
+                if let Ok(Some(entry)) = inner.table().unpin(self.slot) {
+                    let _ = inner.reclaim(self.slot, entry);
+                }
+                return Err(e);
+            }
+        };
+        Ok(View {
+            inner: Arc::clone(inner),
+            hold,
+            ..*self
+        })
+    }
+
+    /// The view's pointer into shared memory (stable for the view's lifetime).
+    ///
+    /// ```
+    /// # let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// # let id = shmstore::ObjectId::of_key("a"); store.put(&id, b"abc")?;
+    /// let v = store.try_get(&id)?;
+    /// assert_eq!(v.as_ptr(), store.try_get(&id)?.as_ptr()); // zero-copy: same memory
+    /// assert_eq!(v.as_ptr() as usize % 64, 0);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn as_ptr(&self) -> *const u8 {
+        self.data
+    }
+}
+
+impl Deref for View {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `data..data+len` lies in the block (checked by `resolve`), which stays
+        // allocated and unchanged while our pin is held.
+        unsafe { std::slice::from_raw_parts(self.data, self.len) }
+    }
+}
+
+impl AsRef<[u8]> for View {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl Drop for View {
+    fn drop(&mut self) {
+        let inner = &self.inner;
+        if let Ok(Some(e)) = inner.table().unpin(self.slot) {
+            let _ = inner.reclaim(self.slot, e);
+        }
+        inner.client().clear_hold(self.hold);
+    }
+}
+
+impl fmt::Debug for View {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("View").field("id", &self.id).field("len", &self.len).finish()
+    }
+}

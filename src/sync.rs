@@ -1,0 +1,151 @@
+//! The one door to atomics and to futex waits.
+//!
+//! Every atomic that lives in shared memory, and every wait/wake on one, goes through this
+//! module. Under `cfg(loom)` the same names resolve to loom's model-checked types, so the
+//! protocol code in [`crate::alloc`], [`crate::table`] and [`crate::client`] runs unchanged
+//! inside loom models. Direct use of `std::sync::atomic` elsewhere is rejected by clippy
+//! (`disallowed-types` in `clippy.toml`).
+//!
+//! # Futexes: shared, never private
+//! A waiter in one process must be woken by a sealer in another. `atomic-wait` (and std's own
+//! parking) always passes `FUTEX_PRIVATE_FLAG`, which keys the wait queue on the *virtual*
+//! address inside one process: a waker in another process never finds it. We therefore issue
+//! the `futex(2)` syscall ourselves without the private flag, so the kernel keys the queue on
+//! the shared page itself (inode + offset); this works even when the processes map the region
+//! at different addresses. Every wait has a timeout, so a lost wake-up (or a dead waker) can
+//! only ever cost the caller its own timeout. See docs/design.md, "Waiting".
+//!
+//! Under loom a futex is modelled as one global `Mutex` + `Condvar`: the waiter checks the
+//! word under the mutex, the waker takes the mutex after its store and notifies everyone.
+//! Loom has no clock, so timeouts are ignored in models (a model that could only finish by
+//! timing out shows up as a deadlock, which is what we want to hear about).
+
+#![allow(clippy::disallowed_types)]
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+/// Back off inside a CAS retry loop (a pause instruction; a yield under loom).
+#[inline]
+pub(crate) fn spin_hint() {
+    #[cfg(loom)]
+    loom::thread::yield_now();
+    #[cfg(not(loom))]
+    std::hint::spin_loop();
+}
+
+/// Cross-process wait/wake on a 32-bit word in shared memory.
+pub(crate) mod futex {
+    use super::AtomicU32;
+    use std::time::Duration;
+
+    /// Sleeps while `*word == expected`, for at most `timeout` (`None`: no limit).
+    ///
+    /// Returns early on a wake, on a signal, or at once if the word no longer holds
+    /// `expected`; callers always re-check their condition in a loop.
+    #[cfg(not(loom))]
+    pub(crate) fn wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+        let ts = timeout.map(|t| libc::timespec {
+            tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
+            tv_nsec: t.subsec_nanos() as libc::c_long,
+        });
+        let ts_ptr = ts
+            .as_ref()
+            .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+        // SAFETY: `word` is a live, 4-byte aligned atomic for the duration of the call; the
+        // kernel only reads it. FUTEX_WAIT without FUTEX_PRIVATE_FLAG keys the queue on the
+        // backing page, so wakers in other processes find it. `ts_ptr` is null or points to
+        // a timespec that outlives the call. Errors (EAGAIN, EINTR, ETIMEDOUT) all mean
+        // "return and re-check", which every caller does.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAIT,
+                expected,
+                ts_ptr,
+                std::ptr::null::<u32>(),
+                0u32,
+            );
+        }
+    }
+
+    /// Wakes every process and thread sleeping on `word`.
+    #[cfg(not(loom))]
+    pub(crate) fn wake_all(word: &AtomicU32) {
+        // SAFETY: `word` is a live, aligned atomic; FUTEX_WAKE does not dereference beyond
+        // it. Shared (non-private) op to match `wait`.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAKE,
+                i32::MAX,
+                std::ptr::null::<libc::timespec>(),
+                std::ptr::null::<u32>(),
+                0u32,
+            );
+        }
+    }
+
+    #[cfg(loom)]
+    loom::lazy_static! {
+        static ref PARK: (loom::sync::Mutex<()>, loom::sync::Condvar) =
+            (loom::sync::Mutex::new(()), loom::sync::Condvar::new());
+    }
+
+    /// Loom stand-in: check under the model mutex, then sleep on the model condvar.
+    #[cfg(loom)]
+    pub(crate) fn wait(word: &AtomicU32, expected: u32, _timeout: Option<Duration>) {
+        let guard = PARK.0.lock().unwrap();
+        if word.load(super::Ordering::SeqCst) == expected {
+            drop(PARK.1.wait(guard).unwrap());
+        }
+    }
+
+    /// Loom stand-in: take the model mutex after the caller's store, then notify everyone.
+    #[cfg(loom)]
+    pub(crate) fn wake_all(_word: &AtomicU32) {
+        drop(PARK.0.lock().unwrap());
+        PARK.1.notify_all();
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn wait_returns_at_once_when_word_differs() {
+        let w = AtomicU32::new(5);
+        let t = Instant::now();
+        futex::wait(&w, 4, Some(Duration::from_secs(5)));
+        assert!(t.elapsed() < Duration::from_secs(1));
+    }
+
+    #[test]
+    fn wait_times_out() {
+        let w = AtomicU32::new(0);
+        let t = Instant::now();
+        futex::wait(&w, 0, Some(Duration::from_millis(20)));
+        assert!(t.elapsed() >= Duration::from_millis(19));
+    }
+
+    #[test]
+    fn wake_releases_a_waiter() {
+        let w = Arc::new(AtomicU32::new(0));
+        let w2 = Arc::clone(&w);
+        let h = std::thread::spawn(move || {
+            while w2.load(Ordering::Acquire) == 0 {
+                futex::wait(&w2, 0, Some(Duration::from_secs(10)));
+            }
+        });
+        w.store(1, Ordering::Release);
+        futex::wake_all(&w);
+        h.join().unwrap();
+    }
+}
