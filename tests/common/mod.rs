@@ -1,0 +1,142 @@
+//! Test support: real child processes that re-execute this test binary.
+//!
+//! A child is the same test executable started with `--ignored --exact <entry>` and the
+//! role in `SHMSTORE_CHILD`; it talks to the parent over stdin/stdout lines. Waiting for a
+//! child to be *blocked in the kernel* reads `/proc/PID/task/*/syscall` instead of sleeping.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running child process with line-based pipes.
+pub struct Proc {
+    pub child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+/// Starts `entry` (an `#[ignore]`d test in the same binary) as a child with `role` and args.
+pub fn spawn(entry: &str, role: &str, args: &[String]) -> Proc {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", entry, "--nocapture", "--test-threads=1", "-q"])
+        .env("SHMSTORE_CHILD", role)
+        .env("SHMSTORE_ARGS", args.join("\u{1f}"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn child");
+    let stdin = child.stdin.take().unwrap();
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    Proc { child, stdin, stdout }
+}
+
+impl Proc {
+    /// Next protocol line from the child (lines starting with `@`), skipping harness noise.
+    pub fn recv(&mut self) -> String {
+        loop {
+            let mut line = String::new();
+            let n = self.stdout.read_line(&mut line).expect("read child");
+            assert!(n > 0, "child exited before answering");
+            if let Some(msg) = line.trim_end().strip_prefix('@') {
+                return msg.to_string();
+            }
+        }
+    }
+
+    /// Sends one line to the child.
+    pub fn send(&mut self, msg: &str) {
+        writeln!(self.stdin, "{msg}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    /// Waits for the child to exit successfully.
+    pub fn finish(mut self) {
+        drop(self.stdin);
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "child failed: {status}");
+    }
+
+    /// Waits until some thread of the child sleeps in `futex(2)`, or panics after `limit`.
+    pub fn wait_until_blocked_in_futex(&self, limit: Duration) {
+        let pid = self.child.id();
+        let deadline = Instant::now() + limit;
+        loop {
+            if blocked_in_futex(pid) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "child {pid} never blocked in futex");
+            std::thread::yield_now();
+        }
+    }
+}
+
+fn blocked_in_futex(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().any(|t| {
+        std::fs::read_to_string(t.path().join("syscall"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next().map(str::to_owned))
+            .is_some_and(|nr| nr == libc::SYS_futex.to_string())
+            && std::fs::read_to_string(t.path().join("stat"))
+                .is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('S')))
+    })
+}
+
+/// In a child: its role and args, if this process is a child.
+pub fn child_role() -> Option<(String, Vec<String>)> {
+    let role = std::env::var("SHMSTORE_CHILD").ok()?;
+    let args = std::env::var("SHMSTORE_ARGS").unwrap_or_default();
+    let args = if args.is_empty() {
+        vec![]
+    } else {
+        args.split('\u{1f}').map(str::to_owned).collect()
+    };
+    Some((role, args))
+}
+
+/// In a child: sends a protocol line to the parent.
+pub fn say(msg: impl std::fmt::Display) {
+    println!("@{msg}");
+}
+
+/// In a child: reads one line from the parent.
+pub fn hear() -> String {
+    let mut s = String::new();
+    std::io::stdin().read_line(&mut s).unwrap();
+    s.trim_end().to_string()
+}
+
+/// A unique store name for this test run.
+pub fn unique_name(tag: &str) -> String {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    format!(
+        "shmstore-test-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    )
+}
+
+/// Removes a named store file when dropped (even if the test fails).
+pub struct Cleanup(pub std::path::PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Deterministic pseudo-random bytes.
+pub fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}

@@ -1,0 +1,272 @@
+//! Multi-process behaviour, with real processes: blocked readers woken by a seal in another
+//! process, exact bytes, delete while pinned, abort, duplicates, timeouts, a full store,
+//! racing producers, and a memfd store shared through /proc.
+
+mod common;
+
+use common::{bytes, child_role, hear, say, spawn, unique_name, Cleanup, Proc};
+use shmstore::{Error, ObjectId, Store, StoreConfig};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const ENTRY: &str = "child_entry";
+
+fn new_store(tag: &str, capacity: u64) -> (Store, Cleanup) {
+    let name = unique_name(tag);
+    let store = Store::create(&name, &StoreConfig::with_capacity(capacity)).unwrap();
+    let path = store.path().unwrap().to_path_buf();
+    (store, Cleanup(path))
+}
+
+fn child(role: &str, store: &Store, extra: &[String]) -> Proc {
+    let mut args = vec![store.path().unwrap().display().to_string()];
+    args.extend_from_slice(extra);
+    spawn(ENTRY, role, &args)
+}
+
+/// Child processes: dispatched on `SHMSTORE_CHILD`. Runs only when started by a test below.
+#[test]
+#[ignore = "child process entry point, started by the other tests"]
+fn child_entry() {
+    let (role, args) = child_role().expect("child_entry runs only as a child process");
+    let store = Store::open_path(Path::new(&args[0])).unwrap();
+    let id = |s: &str| s.parse::<ObjectId>().unwrap();
+    match role.as_str() {
+        // get(id) with a long timeout; report the blake3 of what was read.
+        "get-hash" => {
+            say("attached");
+            let v = store.get(&id(&args[1]), Duration::from_secs(30)).unwrap();
+            say(blake3::hash(&v).to_hex());
+        }
+        // Pin, report, wait for the parent, then read every byte again and report.
+        "pin-and-hold" => {
+            let v = store.get(&id(&args[1]), Duration::from_secs(30)).unwrap();
+            say(format!("pinned {}", v.len()));
+            assert_eq!(hear(), "read");
+            say(blake3::hash(&v).to_hex());
+            assert_eq!(hear(), "drop");
+            drop(v);
+            say("dropped");
+        }
+        // Create, write, then abort (by drop) without sealing.
+        "create-abort" => {
+            let mut c = store.create_object(&id(&args[1]), 100_000).unwrap();
+            c.fill(0xab);
+            say("created");
+            assert_eq!(hear(), "abort");
+            drop(c);
+            say("aborted");
+        }
+        "create-dup" => match store.create_object(&id(&args[1]), 10) {
+            Err(Error::AlreadyExists { id: got }) => say(format!("already-exists {got}")),
+            other => say(format!("unexpected {other:?}")),
+        },
+        "get-timeout" => {
+            let t = Instant::now();
+            match store.get(&id(&args[1]), Duration::from_millis(200)) {
+                Err(Error::Timeout { waited, .. }) => {
+                    say(format!("timeout {} {}", waited.as_millis(), t.elapsed().as_millis()))
+                }
+                other => say(format!("unexpected {other:?}")),
+            }
+        }
+        "fill" => {
+            let mut n = 0u64;
+            loop {
+                let data = bytes(n, 256 << 10);
+                match store.put(&ObjectId::of_content(&data), &data) {
+                    Ok(()) => n += 1,
+                    Err(Error::Full { requested, free, largest_free }) => {
+                        say(format!("full {n} {requested} {free} {largest_free}"));
+                        break;
+                    }
+                    Err(e) => {
+                        say(format!("unexpected {e:?}"));
+                        break;
+                    }
+                }
+            }
+        }
+        // Race to create the same ids as a sibling; report how many this process won.
+        "race-create" => {
+            let n: u64 = args[1].parse().unwrap();
+            say("ready");
+            assert_eq!(hear(), "go");
+            let mut won = 0;
+            for i in 0..n {
+                let id = ObjectId::of_key(format!("race-{i}"));
+                if let Ok(mut c) = store.create_object(&id, 64) {
+                    c.fill(std::process::id() as u8);
+                    c.seal().unwrap();
+                    won += 1;
+                }
+            }
+            say(format!("won {won}"));
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+#[test]
+fn seal_wakes_two_readers_blocked_in_other_processes_and_they_read_exact_bytes() {
+    let (store, _c) = new_store("wake", 64 << 20);
+    for (round, len) in [1usize, 4096, (3 << 20) + 17].into_iter().enumerate() {
+        let data = bytes(round as u64, len);
+        let id = ObjectId::of_content(&data);
+        let mut readers: Vec<Proc> =
+            (0..2).map(|_| child("get-hash", &store, &[id.to_string()])).collect();
+        for r in &mut readers {
+            assert_eq!(r.recv(), "attached");
+            r.wait_until_blocked_in_futex(Duration::from_secs(20));
+        }
+        assert!(!store.contains(&id));
+        let mut c = store.create_object(&id, len as u64).unwrap();
+        c.copy_from_slice(&data);
+        c.seal().unwrap();
+        for mut r in readers {
+            // Content-derived id: the reader's hash of what it saw must be the id itself.
+            assert_eq!(r.recv(), id.to_string());
+            r.finish();
+        }
+    }
+    store.check_invariants().unwrap();
+}
+
+#[test]
+fn delete_while_pinned_by_another_process_keeps_bytes_until_last_unpin() {
+    let (store, _c) = new_store("pinned", 16 << 20);
+    let data = bytes(7, 1 << 20);
+    let id = ObjectId::of_content(&data);
+    store.put(&id, &data).unwrap();
+    let used = store.stats().used;
+    let mut p = child("pin-and-hold", &store, &[id.to_string()]);
+    assert_eq!(p.recv(), format!("pinned {}", 1 << 20));
+    store.delete(&id).unwrap();
+    assert!(!store.contains(&id));
+    assert!(matches!(store.try_get(&id), Err(Error::NotFound { .. })));
+    let st = store.stats();
+    assert_eq!((st.used, st.draining, st.pins), (used, 1, 1), "{st:?}");
+    // A new object may not reuse the pinned memory.
+    let other = bytes(8, 1 << 20);
+    store.put(&ObjectId::of_content(&other), &other).unwrap();
+    p.send("read");
+    assert_eq!(p.recv(), id.to_string());
+    p.send("drop");
+    assert_eq!(p.recv(), "dropped");
+    p.finish();
+    let st = store.stats();
+    assert_eq!((st.draining, st.pins, st.objects), (0, 0, 1), "{st:?}");
+    store.check_invariants().unwrap();
+}
+
+#[test]
+fn abort_in_another_process_frees_memory_and_the_id() {
+    let (store, _c) = new_store("abort", 16 << 20);
+    let id = ObjectId::of_key("abort-me");
+    let mut p = child("create-abort", &store, &[id.to_string()]);
+    assert_eq!(p.recv(), "created");
+    let st = store.stats();
+    assert_eq!((st.creating, st.used), (1, 25 * 4096), "{st:?}");
+    assert!(matches!(store.try_get(&id), Err(Error::NotFound { .. })));
+    p.send("abort");
+    assert_eq!(p.recv(), "aborted");
+    p.finish();
+    let st = store.stats();
+    assert_eq!((st.creating, st.used, st.objects), (0, 0, 0), "{st:?}");
+    store.put(&id, b"second try").unwrap();
+    store.check_invariants().unwrap();
+}
+
+#[test]
+fn duplicate_id_from_another_process_is_already_exists() {
+    let (store, _c) = new_store("dup", 1 << 20);
+    let id = ObjectId::of_key("dup");
+    let unsealed = store.create_object(&id, 10).unwrap();
+    let mut p = child("create-dup", &store, &[id.to_string()]);
+    assert_eq!(p.recv(), format!("already-exists {id}"));
+    p.finish();
+    unsealed.seal().unwrap();
+    let mut p = child("create-dup", &store, &[id.to_string()]);
+    assert_eq!(p.recv(), format!("already-exists {id}"));
+    p.finish();
+}
+
+#[test]
+fn get_times_out_in_another_process() {
+    let (store, _c) = new_store("timeout", 1 << 20);
+    let id = ObjectId::of_key("never");
+    let _unsealed = store.create_object(&id, 10).unwrap();
+    let mut p = child("get-timeout", &store, &[id.to_string()]);
+    let msg = p.recv();
+    let parts: Vec<&str> = msg.split(' ').collect();
+    assert_eq!(parts[0], "timeout", "{msg}");
+    let waited: u64 = parts[1].parse().unwrap();
+    let elapsed: u64 = parts[2].parse().unwrap();
+    assert!(waited >= 200 && elapsed >= 200, "{msg}");
+    assert!(elapsed < 5000, "{msg}");
+    p.finish();
+}
+
+#[test]
+fn full_store_reports_numbers_and_recovers_after_deletes() {
+    let (store, _c) = new_store("full", 4 << 20);
+    let mut p = child("fill", &store, &[]);
+    let msg = p.recv();
+    p.finish();
+    let f: Vec<u64> = msg.split(' ').skip(1).map(|x| x.parse().unwrap()).collect();
+    assert!(msg.starts_with("full "), "{msg}");
+    let (n, requested, free, largest) = (f[0], f[1], f[2], f[3]);
+    assert_eq!(n, 16, "4 MiB holds sixteen 256 KiB objects: {msg}");
+    assert_eq!(requested, 256 << 10);
+    assert!(largest < requested && free < requested, "{msg}");
+    let st = store.stats();
+    assert_eq!(st.objects, 16);
+    // Delete one and the next put fits again.
+    let first = bytes(0, 256 << 10);
+    store.delete(&ObjectId::of_content(&first)).unwrap();
+    let again = bytes(99, 256 << 10);
+    store.put(&ObjectId::of_content(&again), &again).unwrap();
+    store.check_invariants().unwrap();
+}
+
+#[test]
+fn racing_producers_in_two_processes_create_each_id_once() {
+    let (store, _c) = new_store("race", 16 << 20);
+    let n = 2000u64;
+    let mut ps: Vec<Proc> = (0..2)
+        .map(|_| child("race-create", &store, &[n.to_string()]))
+        .collect();
+    for p in &mut ps {
+        assert_eq!(p.recv(), "ready");
+    }
+    for p in &mut ps {
+        p.send("go");
+    }
+    let mut total = 0;
+    for mut p in ps {
+        let msg = p.recv();
+        total += msg.strip_prefix("won ").unwrap().parse::<u64>().unwrap();
+        p.finish();
+    }
+    assert_eq!(total, n);
+    assert_eq!(store.stats().objects, n);
+    for i in 0..n {
+        let v = store.try_get(&ObjectId::of_key(format!("race-{i}"))).unwrap();
+        assert!(v.iter().all(|&b| b == v[0]), "object {i} was written by two processes");
+    }
+    store.check_invariants().unwrap();
+}
+
+#[test]
+fn anonymous_store_is_shared_through_proc_fd() {
+    use std::os::fd::AsRawFd;
+    let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20)).unwrap();
+    let path = format!("/proc/{}/fd/{}", std::process::id(), store.fd().as_raw_fd());
+    let data = bytes(3, 5000);
+    let id = ObjectId::of_content(&data);
+    let mut p = spawn(ENTRY, "get-hash", &[path, id.to_string()]);
+    assert_eq!(p.recv(), "attached");
+    store.put(&id, &data).unwrap();
+    assert_eq!(p.recv(), id.to_string());
+    p.finish();
+}

@@ -1,0 +1,139 @@
+//! Opening files that are not healthy stores gives typed errors, never a crash.
+
+mod common;
+
+use common::{unique_name, Cleanup};
+use shmstore::{Error, ObjectId, Store, StoreConfig};
+use std::io::{Seek, SeekFrom, Write};
+use std::path::PathBuf;
+
+fn write_file(tag: &str, bytes: &[u8]) -> Cleanup {
+    let path = PathBuf::from("/dev/shm").join(unique_name(tag));
+    std::fs::write(&path, bytes).unwrap();
+    Cleanup(path)
+}
+
+fn healthy(tag: &str) -> (Store, Cleanup) {
+    let s = Store::create(&unique_name(tag), &StoreConfig::with_capacity(1 << 20)).unwrap();
+    let p = s.path().unwrap().to_path_buf();
+    (s, Cleanup(p))
+}
+
+#[test]
+fn garbage_is_not_a_store() {
+    let f = write_file("garbage", &[0x5a; 8192]);
+    assert!(matches!(Store::open_path(&f.0), Err(Error::NotAStore { .. })));
+    let f = write_file("empty", &[]);
+    assert!(matches!(Store::open_path(&f.0), Err(Error::Truncated { actual: 0, .. })));
+}
+
+#[test]
+fn truncated_store_is_truncated() {
+    let (s, c) = healthy("trunc");
+    let full = std::fs::metadata(&c.0).unwrap().len();
+    drop(s);
+    let f = std::fs::OpenOptions::new().write(true).open(&c.0).unwrap();
+    f.set_len(full / 2).unwrap();
+    match Store::open_path(&c.0) {
+        Err(Error::Truncated { expected, actual, .. }) => {
+            assert_eq!((expected, actual), (full, full / 2));
+        }
+        other => panic!("{other:?}"),
+    }
+    f.set_len(100).unwrap();
+    assert!(matches!(Store::open_path(&c.0), Err(Error::Truncated { actual: 100, .. })));
+}
+
+#[test]
+fn wrong_version_is_version_mismatch() {
+    let (s, c) = healthy("version");
+    drop(s);
+    let mut f = std::fs::OpenOptions::new().write(true).open(&c.0).unwrap();
+    f.seek(SeekFrom::Start(8)).unwrap();
+    f.write_all(&7u32.to_le_bytes()).unwrap();
+    match Store::open_path(&c.0) {
+        Err(e @ Error::VersionMismatch { found: 7, supported: 1, .. }) => {
+            assert!(e.to_string().contains("same shmstore version"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn scribbled_superblock_is_corrupted() {
+    let (s, c) = healthy("scribble");
+    drop(s);
+    for offset in [24u64, 64, 120, 200] {
+        let mut f = std::fs::OpenOptions::new().read(true).write(true).open(&c.0).unwrap();
+        f.seek(SeekFrom::Start(offset)).unwrap();
+        f.write_all(&[0xff; 4]).unwrap();
+        assert!(
+            matches!(Store::open_path(&c.0), Err(Error::Corrupted { .. })),
+            "offset {offset}"
+        );
+    }
+}
+
+#[test]
+fn missing_and_existing_names() {
+    assert!(matches!(
+        Store::open(&unique_name("missing")),
+        Err(Error::StoreNotFound { .. })
+    ));
+    let (s, _c) = healthy("exists");
+    let name = s.path().unwrap().file_name().unwrap().to_str().unwrap().to_owned();
+    assert!(matches!(
+        Store::create(&name, &StoreConfig::with_capacity(1 << 20)),
+        Err(Error::StoreExists { .. })
+    ));
+    assert!(matches!(
+        Store::create("a/b", &StoreConfig::with_capacity(1 << 20)),
+        Err(Error::InvalidConfig { .. })
+    ));
+}
+
+#[test]
+fn undersized_filesystem_fails_at_create_with_the_numbers() {
+    // A directory whose file system cannot hold the store: ask for more than /dev/shm has.
+    let free = {
+        let (s, _c) = healthy("probe");
+        drop(s);
+        let out = std::process::Command::new("df").args(["-B1", "--output=avail", "/dev/shm"]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).lines().nth(1).unwrap().trim().parse::<u64>().unwrap()
+    };
+    let cfg = StoreConfig::with_capacity(free + (1 << 30));
+    match Store::create(&unique_name("huge"), &cfg) {
+        Err(e @ Error::InsufficientSpace { .. }) => {
+            let m = e.to_string();
+            assert!(m.contains("--shm-size"), "{m}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn file_mode_defaults_to_owner_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let (_s, c) = healthy("mode");
+    let mode = std::fs::metadata(&c.0).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+}
+
+#[test]
+fn scribbled_table_entry_is_an_error_not_ub() {
+    let (s, c) = healthy("entry");
+    let id = ObjectId::of_key("victim");
+    s.put(&id, &[1; 1000]).unwrap();
+    // Overwrite every table slot's offset field with a huge value (slots are 64-byte lines
+    // holding ctl, id[4], offset, len, info); find the victim's line by its id bytes.
+    let mut raw = std::fs::read(&c.0).unwrap();
+    let needle = id.as_bytes();
+    let at = raw.windows(32).position(|w| w == needle).expect("id in file");
+    raw[at + 32..at + 40].copy_from_slice(&u64::MAX.to_le_bytes());
+    let mut f = std::fs::OpenOptions::new().write(true).open(&c.0).unwrap();
+    f.seek(SeekFrom::Start(at as u64 + 32)).unwrap();
+    f.write_all(&u64::MAX.to_le_bytes()).unwrap();
+    drop(f);
+    assert!(matches!(s.try_get(&id), Err(Error::Corrupted { .. })));
+    assert!(matches!(s.delete(&id), Err(Error::Corrupted { .. })));
+}
