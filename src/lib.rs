@@ -50,4 +50,6 @@ mod table;
 pub use error::{Error, Result};
 pub use id::{ObjectId, ParseObjectIdError};
 pub use region::HugePages;
+#[doc(hidden)]
+pub use store::RawBlock;
 pub use store::{AttachOptions, Creation, Stats, Store, StoreConfig, View};

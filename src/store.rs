@@ -893,6 +893,26 @@ impl Store {
     }
 }
 
+/// An allocator block handed out by [`Store::raw_alloc`]; benchmarks only.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct RawBlock(Block);
+
+impl Store {
+    /// Allocates a raw block with no table entry. For the allocator benchmark only: the
+    /// block is not attributed to any object; free it with [`Store::raw_free`].
+    #[doc(hidden)]
+    pub fn raw_alloc(&self, size: u64) -> Result<RawBlock> {
+        self.inner.alloc().alloc(size).map(RawBlock)
+    }
+
+    /// Frees a block from [`Store::raw_alloc`].
+    #[doc(hidden)]
+    pub fn raw_free(&self, block: RawBlock) -> Result<()> {
+        self.inner.alloc().free(block.0)
+    }
+}
+
 /// A writer handle: `&mut [u8]` over an object's memory until [`seal`](Self::seal).
 /// Dropping it without sealing aborts the creation and frees the memory.
 ///

@@ -1,1 +1,55 @@
-fn main() {}
+//! `shmstore`: the command-line tool. `shmstore bench` is the main job: a benchmark of
+//! the store across real processes, each figure printed beside its floor or peer measured
+//! in the same run.
+
+mod bench;
+mod child;
+mod ipc;
+mod report;
+
+use std::process::ExitCode;
+
+const USAGE: &str = "\
+usage: shmstore <command>
+
+commands:
+  bench [--quick] [--json]   benchmark on a temporary store in /dev/shm (1 engine + 2 workers)
+                             --quick  fewer samples, finishes in under 30 s
+                             --json   print the figures as one JSON object
+  help                       this text
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("bench") => {
+            let mut opts = bench::Options::default();
+            for a in &args[1..] {
+                match a.as_str() {
+                    "--quick" => opts.quick = true,
+                    "--json" => opts.json = true,
+                    other => {
+                        eprintln!("shmstore bench: unknown option {other}\n\n{USAGE}");
+                        return ExitCode::from(2);
+                    }
+                }
+            }
+            match bench::run(&opts) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("shmstore bench: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Some(child::ENTRY) => child::main(&args[1..]),
+        Some("help" | "--help" | "-h") | None => {
+            print!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        Some(other) => {
+            eprintln!("shmstore: unknown command {other}\n\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}

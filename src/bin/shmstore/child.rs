@@ -1,0 +1,163 @@
+//! The benchmark's child processes (`shmstore __child ROLE ...`): workers, producers and
+//! echo peers. Each reads commands and writes results as lines on stdin/stdout.
+
+use crate::ipc::{futex_await, futex_wake, percentile, touch_all, ControlPage, Ordering};
+use shmstore::{ObjectId, Store};
+use std::io::{BufRead, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+/// The hidden subcommand that starts a child.
+pub const ENTRY: &str = "__child";
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn line() -> String {
+    let mut s = String::new();
+    std::io::stdin().lock().read_line(&mut s).unwrap_or(0);
+    s.trim_end().to_string()
+}
+
+fn say(s: impl std::fmt::Display) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{s}");
+    let _ = out.flush();
+}
+
+/// Ids `prefix-0 .. prefix-(n-1)`, computed before any timing starts.
+pub fn ids(prefix: &str, n: usize) -> Vec<ObjectId> {
+    (0..n).map(|i| ObjectId::of_key(format!("{prefix}-{i}"))).collect()
+}
+
+pub fn main(args: &[String]) -> ExitCode {
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("shmstore bench child {args:?}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn arg<T: std::str::FromStr>(args: &[String], i: usize) -> Result<T, String> {
+    args.get(i)
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| format!("missing or bad argument {i}"))
+}
+
+fn run(args: &[String]) -> Result<(), String> {
+    let role = args.first().ok_or("no role")?.as_str();
+    let open = || Store::open_path(Path::new(&args[1])).map_err(|e| e.to_string());
+    match role {
+        // get (hit) + drop of pre-sealed objects; reports p50 and p99 in ns.
+        "get-hit" => {
+            let store = open()?;
+            let ids = ids(&args[2], arg(args, 3)?);
+            let reps: usize = arg(args, 4)?;
+            say("ready");
+            let mut samples = Vec::with_capacity(ids.len() * reps);
+            for _ in 0..reps {
+                for id in &ids {
+                    let t = Instant::now();
+                    let v = store.try_get(id).map_err(|e| e.to_string())?;
+                    drop(v);
+                    samples.push(t.elapsed().as_nanos() as u64);
+                }
+            }
+            let p50 = percentile(&mut samples, 50.0);
+            let p99 = percentile(&mut samples, 99.0);
+            say(format!("{p50} {p99}"));
+        }
+        // Tiny create + seal as fast as possible; reports elapsed ns.
+        "producer" => {
+            let store = open()?;
+            let ids = ids(&args[2], arg(args, 3)?);
+            let size: u64 = arg(args, 4)?;
+            say("ready");
+            if line() != "go" {
+                return Err("expected go".into());
+            }
+            let t = Instant::now();
+            for id in &ids {
+                let mut c = store.create_object(id, size).map_err(|e| e.to_string())?;
+                c[0] = 1;
+                c.seal().map_err(|e| e.to_string())?;
+            }
+            say(t.elapsed().as_nanos());
+        }
+        // The worker half of the seal -> wake ping-pong through the store.
+        "pong-store" => {
+            let store = open()?;
+            let n: usize = arg(args, 2)?;
+            let (ping, pong) = (ids("ping", n), ids("pong", n));
+            say("ready");
+            for i in 0..n {
+                drop(store.get(&ping[i], LONG).map_err(|e| e.to_string())?);
+                store.put(&pong[i], &[1; 8]).map_err(|e| e.to_string())?;
+            }
+            say("done");
+        }
+        // The worker half of the bare futex ping-pong (the floor).
+        "pong-futex" => {
+            let ctl = ControlPage::open(Path::new(&args[1])).map_err(|e| e.to_string())?;
+            let n: u32 = arg(args, 2)?;
+            let w = ctl.word(0);
+            say("ready");
+            for i in 0..n {
+                futex_await(w, 2 * i + 1);
+                w.store(2 * i + 2, Ordering::Release);
+                futex_wake(w);
+            }
+            say("done");
+        }
+        // Echo one byte per round trip over a unix socket (the socket floor).
+        "echo" => {
+            let mut s = UnixStream::connect(&args[1]).map_err(|e| e.to_string())?;
+            let mut b = [0u8; 1];
+            while s.read_exact(&mut b).is_ok() {
+                if s.write_all(&b).is_err() {
+                    break;
+                }
+            }
+        }
+        // End-to-end worker: gets items by id (or reads them from a socket), reads every
+        // byte, and reports a checksum.
+        "e2e" => {
+            let store = open()?;
+            let mut sock: Option<UnixStream> = None;
+            let mut buf: Vec<u8> = Vec::new();
+            say("ready");
+            loop {
+                let l = line();
+                let mut parts = l.split_whitespace();
+                match parts.next() {
+                    Some("get") => {
+                        let id: ObjectId = parts.next().ok_or("id")?.parse().map_err(|_| "id")?;
+                        let v = store.get(&id, LONG).map_err(|e| e.to_string())?;
+                        let sum = touch_all(&v);
+                        drop(v);
+                        say(format!("done {sum}"));
+                    }
+                    Some("connect") => {
+                        sock = Some(UnixStream::connect(parts.next().ok_or("path")?).map_err(|e| e.to_string())?);
+                        say("connected");
+                    }
+                    Some("recv") => {
+                        let len: usize = parts.next().ok_or("len")?.parse().map_err(|_| "len")?;
+                        if buf.len() != len {
+                            buf = vec![1u8; len]; // touched: the socket side gets warm pages
+                        }
+                        let s = sock.as_mut().ok_or("not connected")?;
+                        s.read_exact(&mut buf).map_err(|e| e.to_string())?;
+                        say(format!("done {}", touch_all(&buf)));
+                    }
+                    _ => break,
+                }
+            }
+        }
+        other => return Err(format!("unknown role {other}")),
+    }
+    Ok(())
+}

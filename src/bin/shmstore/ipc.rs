@@ -1,0 +1,212 @@
+//! Plumbing for the benchmark's processes: line pipes to children, a small shared control
+//! page with raw futex words (the *floor* the store's own wake-up is compared against), and
+//! percentile helpers.
+
+// The futex floor deliberately bypasses the store (and its sync shim): it is the bare
+// kernel primitive our seal -> wake path is measured against.
+#![allow(clippy::disallowed_types)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+pub use std::sync::atomic::{AtomicU32, Ordering};
+
+/// A child process of the benchmark, spoken to in lines.
+pub struct Worker {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Worker {
+    /// Starts `shmstore __child ROLE ARGS...`.
+    pub fn spawn(role: &str, args: &[String]) -> std::io::Result<Worker> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .arg(crate::child::ENTRY)
+            .arg(role)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        Ok(Worker { child, stdin, stdout })
+    }
+
+    /// Sends a line.
+    pub fn send(&mut self, line: &str) {
+        let _ = writeln!(self.stdin, "{line}");
+        let _ = self.stdin.flush();
+    }
+
+    /// Receives a line; an error if the child died.
+    pub fn recv(&mut self) -> Result<String, String> {
+        let mut s = String::new();
+        match self.stdout.read_line(&mut s) {
+            Ok(n) if n > 0 => Ok(s.trim_end().to_string()),
+            _ => {
+                let status = self.child.wait().map(|s| s.to_string()).unwrap_or_default();
+                Err(format!("benchmark child exited unexpectedly ({status})"))
+            }
+        }
+    }
+
+    /// Receives a line of whitespace-separated numbers.
+    pub fn recv_numbers(&mut self) -> Result<Vec<f64>, String> {
+        let line = self.recv()?;
+        line.split_whitespace()
+            .map(|x| x.parse::<f64>().map_err(|_| format!("child said {line:?}")))
+            .collect()
+    }
+
+    /// Tells the child to stop and waits for it.
+    pub fn finish(mut self) {
+        self.send("quit");
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One shared 4 KiB page holding futex words for the floor measurements.
+pub struct ControlPage {
+    map: memmap2::MmapRaw,
+    path: PathBuf,
+    owner: bool,
+}
+
+impl ControlPage {
+    /// Creates the page at `path`.
+    pub fn create(path: &Path) -> std::io::Result<ControlPage> {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)?;
+        f.set_len(4096)?;
+        Ok(ControlPage {
+            map: memmap2::MmapRaw::map_raw(&f)?,
+            path: path.to_path_buf(),
+            owner: true,
+        })
+    }
+
+    /// Opens the page created by the parent.
+    pub fn open(path: &Path) -> std::io::Result<ControlPage> {
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
+        Ok(ControlPage {
+            map: memmap2::MmapRaw::map_raw(&f)?,
+            path: path.to_path_buf(),
+            owner: false,
+        })
+    }
+
+    /// Futex word `i` (0..64), one per cache line.
+    pub fn word(&self, i: usize) -> &AtomicU32 {
+        assert!(i < 64);
+        // SAFETY: the mapping is 4096 bytes, page-aligned and lives as long as `self`;
+        // offset i * 64 < 4096 is 4-aligned; AtomicU32 is valid for any bytes.
+        unsafe { &*(self.map.as_mut_ptr().add(i * 64) as *const AtomicU32) }
+    }
+}
+
+impl Drop for ControlPage {
+    fn drop(&mut self) {
+        if self.owner {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Sleeps while `*w == v` (shared futex, no timeout: the peer is our own child).
+pub fn futex_wait(w: &AtomicU32, v: u32) {
+    // SAFETY: `w` is a live aligned u32 in a shared mapping; shared (non-private) futex.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            w.as_ptr(),
+            libc::FUTEX_WAIT,
+            v,
+            std::ptr::null::<libc::timespec>(),
+        );
+    }
+}
+
+/// Wakes everyone sleeping on `w`.
+pub fn futex_wake(w: &AtomicU32) {
+    // SAFETY: as in `futex_wait`.
+    unsafe {
+        libc::syscall(libc::SYS_futex, w.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    }
+}
+
+/// Waits until `*w == target`.
+pub fn futex_await(w: &AtomicU32, target: u32) {
+    loop {
+        let cur = w.load(Ordering::Acquire);
+        if cur == target {
+            return;
+        }
+        futex_wait(w, cur);
+    }
+}
+
+/// The `p`-th percentile (0..=100) of `v` (sorted in place).
+pub fn percentile(v: &mut [u64], p: f64) -> u64 {
+    if v.is_empty() {
+        return 0;
+    }
+    v.sort_unstable();
+    let i = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+/// Median of floats.
+pub fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Sum of every byte of `b`, read as u64 words (touches each byte once).
+pub fn touch_all(b: &[u8]) -> u64 {
+    let (head, words, tail) = {
+        // SAFETY: u64 has no invalid bit patterns; align_to only reinterprets the middle.
+        unsafe { b.align_to::<u64>() }
+    };
+    let mut s = 0u64;
+    for &x in head.iter().chain(tail) {
+        s = s.wrapping_add(x as u64);
+    }
+    let mut acc = [0u64; 4];
+    for c in words.chunks_exact(4) {
+        for k in 0..4 {
+            acc[k] = acc[k].wrapping_add(c[k]);
+        }
+    }
+    for &x in words.chunks_exact(4).remainder() {
+        s = s.wrapping_add(x);
+    }
+    acc.iter().fold(s, |a, &x| a.wrapping_add(x))
+}
+
+/// Deterministic filler bytes.
+pub fn filler(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    for c in v.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        c.copy_from_slice(&b[..c.len()]);
+    }
+    v
+}
