@@ -52,4 +52,4 @@ pub use id::{ObjectId, ParseObjectIdError};
 pub use region::HugePages;
 #[doc(hidden)]
 pub use store::RawBlock;
-pub use store::{AttachOptions, Creation, Stats, Store, StoreConfig, View};
+pub use store::{AttachOptions, Creation, Stats, Store, StoreConfig, View, DEFAULT_GET_SPIN};

@@ -49,7 +49,13 @@ pub struct StoreConfig {
     pub prefault: bool,
     /// Transparent huge pages.
     pub huge_pages: HugePages,
+    /// How long a blocking get in this process spins before it sleeps on the futex.
+    pub get_spin: Duration,
 }
+
+/// Default spin before a blocking get sleeps: long enough to catch a producer that is
+/// about to seal, short enough to cost little CPU when it is not.
+pub const DEFAULT_GET_SPIN: Duration = Duration::from_micros(50);
 
 impl Default for StoreConfig {
     fn default() -> Self {
@@ -62,6 +68,7 @@ impl Default for StoreConfig {
             mode: 0o600,
             prefault: true,
             huge_pages: HugePages::Off,
+            get_spin: DEFAULT_GET_SPIN,
         }
     }
 }
@@ -105,6 +112,9 @@ pub struct AttachOptions {
     pub prefault: bool,
     /// Transparent huge pages.
     pub huge_pages: HugePages,
+    /// How long a blocking get in this process spins before it sleeps on the futex
+    /// (`Duration::ZERO`: sleep at once).
+    pub get_spin: Duration,
 }
 
 impl Default for AttachOptions {
@@ -112,6 +122,7 @@ impl Default for AttachOptions {
         AttachOptions {
             prefault: true,
             huge_pages: HugePages::Off,
+            get_spin: DEFAULT_GET_SPIN,
         }
     }
 }
@@ -205,6 +216,7 @@ struct Inner {
     client_holds: &'static [AtomicU64],
     client_index: u16,
     hold_cursor: AtomicU64,
+    get_spin: Duration,
     heap: *mut u8,
     sb: Superblock,
     map: Mapping,
@@ -225,7 +237,7 @@ impl Drop for Inner {
 }
 
 impl Inner {
-    fn attach(map: Mapping, sb: Superblock) -> Result<Arc<Inner>> {
+    fn attach(map: Mapping, sb: Superblock, get_spin: Duration) -> Result<Arc<Inner>> {
         let base = map.base();
         let total = map.len();
         // SAFETY: `base`/`total` describe `map`, which `Inner` owns and drops after these
@@ -278,6 +290,7 @@ impl Inner {
             client_holds,
             client_index,
             hold_cursor: AtomicU64::new(0),
+            get_spin,
             // SAFETY: heap_offset + heap_size <= total (checked above).
             heap: unsafe { base.add(sb.heap_offset as usize) },
             sb,
@@ -422,7 +435,7 @@ impl Store {
     pub fn create(name: &str, cfg: &StoreConfig) -> Result<Store> {
         let sb = Self::superblock_for(cfg)?;
         let map = Mapping::create_named(&cfg.dir, name, &sb, cfg.mode, cfg.huge_pages, cfg.prefault)?;
-        Self::attach(map, sb)
+        Self::attach(map, sb, cfg.get_spin)
     }
 
     /// Creates an anonymous store in a memfd. Share it with [`Store::fd`] (a child opens
@@ -436,7 +449,7 @@ impl Store {
     pub fn create_anonymous(cfg: &StoreConfig) -> Result<Store> {
         let sb = Self::superblock_for(cfg)?;
         let map = Mapping::create_memfd(&sb, cfg.huge_pages, cfg.prefault)?;
-        Self::attach(map, sb)
+        Self::attach(map, sb, cfg.get_spin)
     }
 
     /// Opens the named store `/dev/shm/name`.
@@ -473,7 +486,7 @@ impl Store {
     /// ```
     pub fn open_with(path: impl AsRef<Path>, opts: &AttachOptions) -> Result<Store> {
         let (map, sb) = Mapping::open(path.as_ref(), opts.huge_pages, opts.prefault)?;
-        Self::attach(map, sb)
+        Self::attach(map, sb, opts.get_spin)
     }
 
     /// Removes the store's name; attached processes keep working, and the memory is
@@ -507,9 +520,9 @@ impl Store {
         Ok(sb)
     }
 
-    fn attach(map: Mapping, sb: Superblock) -> Result<Store> {
+    fn attach(map: Mapping, sb: Superblock, get_spin: Duration) -> Result<Store> {
         Ok(Store {
-            inner: Inner::attach(map, sb)?,
+            inner: Inner::attach(map, sb, get_spin)?,
         })
     }
 
@@ -676,7 +689,7 @@ impl Store {
     pub fn get(&self, id: &ObjectId, timeout: Duration) -> Result<View> {
         let start = Instant::now();
         let deadline = start.checked_add(timeout).unwrap_or(start + Duration::from_secs(1 << 32));
-        match self.inner.table().pin_wait(id, Some(deadline))? {
+        match self.inner.table().pin_wait(id, Some(deadline), self.inner.get_spin)? {
             Pin::Pinned(r, e) => self.view(id, r, e),
             _ => Err(Error::Timeout {
                 id: *id,
@@ -695,7 +708,7 @@ impl Store {
     /// # Ok::<(), shmstore::Error>(())
     /// ```
     pub fn try_get(&self, id: &ObjectId) -> Result<View> {
-        match self.inner.table().pin_wait(id, None)? {
+        match self.inner.table().pin_wait(id, None, Duration::ZERO)? {
             Pin::Pinned(r, e) => self.view(id, r, e),
             _ => Err(Error::NotFound { id: *id }),
         }

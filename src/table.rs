@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::layout::{NEIGHBORHOOD, WAIT_BUCKETS};
 use crate::sync::{fence, futex, AtomicU32, AtomicU64, Ordering};
 use crate::ObjectId;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Slot states (low 3 bits of `ctl`).
 pub(crate) const FREE: u64 = 0;
@@ -446,9 +446,13 @@ impl<'a> Table<'a> {
         }
     }
 
-    /// Pins `id`, sleeping on its wait bucket until it is sealed or `deadline` passes.
-    /// `None` deadline means try once.
-    pub(crate) fn pin_wait(&self, id: &ObjectId, deadline: Option<Instant>) -> Result<Pin> {
+    /// Pins `id`, waiting until it is sealed or `deadline` passes (`None`: try once).
+    ///
+    /// Waiting first spins for up to `spin` watching the id's wait-bucket sequence (a seal
+    /// that lands in that window is seen in a cache-line transfer, with no syscall on
+    /// either side), then sleeps on the bucket's futex. Sleepers register in `waiters`
+    /// before their final check, so a sealer that sees no waiter can skip the wake.
+    pub(crate) fn pin_wait(&self, id: &ObjectId, deadline: Option<Instant>, spin: Duration) -> Result<Pin> {
         let first = self.pin(id)?;
         let Some(deadline) = deadline else {
             return Ok(first);
@@ -457,6 +461,27 @@ impl<'a> Table<'a> {
             return Ok(first);
         }
         let wb = self.wait_bucket(id);
+        if !spin.is_zero() {
+            let spin_end = deadline.min(Instant::now() + spin);
+            loop {
+                let seq = wb.seq.load(Ordering::Acquire);
+                if let p @ Pin::Pinned(..) = self.pin(id)? {
+                    return Ok(p);
+                }
+                loop {
+                    if Instant::now() >= spin_end {
+                        break;
+                    }
+                    if wb.seq.load(Ordering::Relaxed) != seq {
+                        break;
+                    }
+                    crate::sync::spin_hint();
+                }
+                if Instant::now() >= spin_end {
+                    break;
+                }
+            }
+        }
         wb.waiters.fetch_add(1, Ordering::SeqCst);
         let result = loop {
             let seq = wb.seq.load(Ordering::SeqCst);
@@ -533,7 +558,6 @@ pub(crate) mod testing {
 mod tests {
     use super::testing::HeapTable;
     use super::*;
-    use std::time::Duration;
 
     fn e(offset: u64) -> Entry {
         Entry { offset, len: 10, meta_len: 0, kind: 1, creator: 3 }
@@ -626,18 +650,24 @@ mod tests {
 
     #[test]
     fn pin_wait_wakes_on_seal_and_times_out() {
+        for spin in [0, 50, 1_000_000] {
+            pin_wait_case(spin);
+        }
+    }
+
+    fn pin_wait_case(spin: u64) {
         let h = std::sync::Arc::new(HeapTable::new(64));
         let id = ObjectId::of_key("w");
         let t = h.get();
         let start = Instant::now();
-        let p = t.pin_wait(&id, Some(start + Duration::from_millis(30))).unwrap();
+        let p = t.pin_wait(&id, Some(start + Duration::from_millis(30)), Duration::ZERO).unwrap();
         assert!(matches!(p, Pin::Absent));
         assert!(start.elapsed() >= Duration::from_millis(29));
         let h2 = h.clone();
         let waiter = std::thread::spawn(move || {
             let t = h2.get();
             matches!(
-                t.pin_wait(&id, Some(Instant::now() + Duration::from_secs(20))).unwrap(),
+                t.pin_wait(&id, Some(Instant::now() + Duration::from_secs(20)), Duration::from_micros(spin)).unwrap(),
                 Pin::Pinned(..)
             )
         });

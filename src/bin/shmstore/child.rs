@@ -1,7 +1,8 @@
 //! The benchmark's child processes (`shmstore __child ROLE ...`): workers, producers and
 //! echo peers. Each reads commands and writes results as lines on stdin/stdout.
 
-use crate::ipc::{futex_await, futex_wake, percentile, touch_all, ControlPage, Ordering};
+use crate::ipc::{futex_await, futex_await_at_least, futex_wake, now_ns, percentile, touch_all, ControlPage, Ordering};
+use shmstore::AttachOptions;
 use shmstore::{ObjectId, Store};
 use std::io::{BufRead, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -98,6 +99,40 @@ fn run(args: &[String]) -> Result<(), String> {
                 store.put(&pong[i], &[1; 8]).map_err(|e| e.to_string())?;
             }
             say("done");
+        }
+        // A getter that is asleep in the futex (no spin) when the seal comes; the payload
+        // carries the sealer's CLOCK_MONOTONIC timestamp. Reports one-way p50 and p99 ns.
+        "wake-store" => {
+            let opts = AttachOptions { get_spin: Duration::ZERO, ..Default::default() };
+            let store = Store::open_with(Path::new(&args[1]), &opts).map_err(|e| e.to_string())?;
+            let ids = ids("wake", arg(args, 2)?);
+            say("ready");
+            let mut lat = Vec::with_capacity(ids.len());
+            for id in &ids {
+                let v = store.get(id, LONG).map_err(|e| e.to_string())?;
+                let now = now_ns();
+                let sent = u64::from_le_bytes(v[..8].try_into().map_err(|_| "short payload")?);
+                lat.push(now.saturating_sub(sent));
+            }
+            say(format!("{} {}", percentile(&mut lat, 50.0), percentile(&mut lat, 99.0)));
+        }
+        // The same shape on a bare futex word: the floor for the measurement above.
+        "wake-futex" => {
+            let ctl = ControlPage::open(Path::new(&args[1])).map_err(|e| e.to_string())?;
+            let n: u32 = arg(args, 2)?;
+            let (w, ts) = (ctl.word(1), ctl.word64(2));
+            say("ready");
+            let mut lat = Vec::with_capacity(n as usize);
+            let mut i = 0;
+            while i < n {
+                let got = futex_await_at_least(w, i + 1);
+                let now = now_ns();
+                if got == i + 1 {
+                    lat.push(now.saturating_sub(ts.load(Ordering::Acquire)));
+                }
+                i = got;
+            }
+            say(format!("{} {}", percentile(&mut lat, 50.0), percentile(&mut lat, 99.0)));
         }
         // The worker half of the bare futex ping-pong (the floor).
         "pong-futex" => {

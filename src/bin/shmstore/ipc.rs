@@ -9,7 +9,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-pub use std::sync::atomic::{AtomicU32, Ordering};
+pub use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// A child process of the benchmark, spoken to in lines.
 pub struct Worker {
@@ -106,6 +106,13 @@ impl ControlPage {
         })
     }
 
+    /// A 64-bit word in cache line `i` (0..64), at byte 8 of the line.
+    pub fn word64(&self, i: usize) -> &AtomicU64 {
+        assert!(i < 64);
+        // SAFETY: as in `word`; offset i * 64 + 8 is 8-aligned and inside the page.
+        unsafe { &*(self.map.as_mut_ptr().add(i * 64 + 8) as *const AtomicU64) }
+    }
+
     /// Futex word `i` (0..64), one per cache line.
     pub fn word(&self, i: usize) -> &AtomicU32 {
         assert!(i < 64);
@@ -151,6 +158,17 @@ pub fn futex_await(w: &AtomicU32, target: u32) {
         let cur = w.load(Ordering::Acquire);
         if cur == target {
             return;
+        }
+        futex_wait(w, cur);
+    }
+}
+
+/// Waits until `*w >= target` (the waker may have moved on already).
+pub fn futex_await_at_least(w: &AtomicU32, target: u32) -> u32 {
+    loop {
+        let cur = w.load(Ordering::Acquire);
+        if cur >= target {
+            return cur;
         }
         futex_wait(w, cur);
     }
@@ -209,4 +227,20 @@ pub fn filler(seed: u64, len: usize) -> Vec<u8> {
         c.copy_from_slice(&b[..c.len()]);
     }
     v
+}
+
+/// CLOCK_MONOTONIC in ns: one clock for every process on the machine, so a timestamp taken
+/// in one process can be subtracted from one taken in another.
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Busy-waits until `now_ns() >= until` (pacing for the asleep-waiter measurement).
+pub fn spin_until(until: u64) {
+    while now_ns() < until {
+        std::hint::spin_loop();
+    }
 }
