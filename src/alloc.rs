@@ -43,6 +43,8 @@ pub(crate) const CLASS_SIZES: [u64; CLASSES as usize] = [
     64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960, 1024, 1280, 1536,
     1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384,
 ];
+/// Page runs at least this long (4 MiB) are placed best-fit.
+const BEST_FIT_PAGES: u64 = 1024;
 /// Largest request served from slabs.
 pub(crate) const MAX_SMALL: u64 = 16384;
 const BITMAP_WORDS: usize = 16;
@@ -136,7 +138,7 @@ pub(crate) struct Allocator<'a> {
     slabs: &'a [SlabDesc],
     partial: &'a [AtomicU64],
     partial_words: usize,
-    /// `CLASSES` hint slots (current slab + 1 per class), then the page cursor.
+    /// `CLASSES` hint slots (current slab + 1 per class), then the first-fit low-water mark.
     hints: &'a [Padded<AtomicU64>],
 }
 
@@ -314,17 +316,33 @@ impl<'a> Allocator<'a> {
     }
 
     /// Finds and claims `n` pages whose first index is a multiple of `align`.
+    ///
+    /// Runs of [`BEST_FIT_PAGES`] or more use best fit (the smallest free run that holds
+    /// them, lowest address on ties): a full bitmap scan, cheap beside copying 4 MiB,
+    /// and it keeps the large runs whole. Smaller runs use address-ordered first fit from
+    /// the low-water hint, which reuses recently freed (cache-warm) memory first.
     fn alloc_pages(&self, n: u64, align: u64) -> Option<u64> {
         if n == 0 || n > self.npages {
             return None;
         }
-        let start = self.cursor().load(Ordering::Relaxed) % self.npages;
-        // Next-fit: search from the cursor to the end, then the whole heap from the start.
-        for (lo, hi) in [(start, self.npages), (0, self.npages)] {
+        if n >= BEST_FIT_PAGES && align == 1 {
+            for _ in 0..4 {
+                let p = self.best_run(n)?;
+                if self.claim_run(p, n).is_ok() {
+                    return Some(p);
+                }
+            }
+        }
+        let hint_word = self.cursor();
+        let hint = hint_word.load(Ordering::Relaxed).min(self.npages);
+        // First fit from the hint, then (the hint may be stale) from page 0.
+        for (pass, lo) in [(0, hint), (1, 0)] {
             let mut p = lo;
-            while let Some(f) = self.next_free(p, hi) {
+            let mut first_free = None;
+            while let Some(f) = self.next_free(p, self.npages) {
+                first_free.get_or_insert(f);
                 let cand = f.div_ceil(align) * align;
-                if cand + n > hi {
+                if cand + n > self.npages {
                     break;
                 }
                 if let Some(u) = self.next_used(cand, cand + n) {
@@ -333,7 +351,18 @@ impl<'a> Allocator<'a> {
                 }
                 match self.claim_run(cand, n) {
                     Ok(()) => {
-                        self.cursor().store(cand + n, Ordering::Relaxed);
+                        if let (0, Some(f0)) = (pass, first_free) {
+                            // Raise the low-water mark past pages that were taken. A free
+                            // racing with this may leave it too high: that costs fit quality
+                            // (pass 1 still finds everything), never memory.
+                            let f0 = if f0 == cand { cand + n } else { f0 };
+                            let _ = hint_word.compare_exchange(
+                                hint,
+                                f0,
+                                Ordering::Relaxed,
+                                Ordering::Relaxed,
+                            );
+                        }
                         return Some(cand);
                     }
                     Err(taken) => p = taken + 1,
@@ -341,6 +370,36 @@ impl<'a> Allocator<'a> {
             }
         }
         None
+    }
+
+    /// The start of the smallest free run of at least `n` pages.
+    fn best_run(&self, n: u64) -> Option<u64> {
+        let mut best: Option<(u64, u64)> = None;
+        let mut p = 0;
+        while let Some(f) = self.next_free(p, self.npages) {
+            let end = self.next_used(f, self.npages).unwrap_or(self.npages);
+            let len = end - f;
+            if len >= n && best.is_none_or(|(_, l)| len < l) {
+                best = Some((f, len));
+                if len == n {
+                    break;
+                }
+            }
+            p = end;
+        }
+        best.map(|(f, _)| f)
+    }
+
+    /// Lowers the first-fit low-water mark to `page`.
+    fn lower_hint(&self, page: u64) {
+        let h = self.cursor();
+        let mut cur = h.load(Ordering::Relaxed);
+        while page < cur {
+            match h.compare_exchange_weak(cur, page, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => break,
+                Err(now) => cur = now,
+            }
+        }
     }
 
     fn free_pages(&self, first: u64, n: u64) -> Result<()> {
@@ -359,6 +418,7 @@ impl<'a> Allocator<'a> {
             p = (w as u64 + 1) * 64;
         }
         self.release_range(first, end);
+        self.lower_hint(first);
         Ok(())
     }
 
@@ -481,6 +541,7 @@ impl<'a> Allocator<'a> {
                     .fetch_and(!(1u64 << (s % 64)), Ordering::AcqRel);
                 let first = s as u64 * PAGES_PER_SLAB;
                 self.release_range(first, first + PAGES_PER_SLAB);
+                self.lower_hint(first);
                 freed = true;
             }
         }
@@ -534,8 +595,7 @@ impl<'a> Allocator<'a> {
         if st - 1 != tag || self.hint(class).load(Ordering::Relaxed) == s as u64 + 1 {
             return;
         }
-        if d
-            .state
+        if d.state
             .compare_exchange(tag, 0, Ordering::AcqRel, Ordering::Relaxed)
             .is_ok()
         {
@@ -544,6 +604,7 @@ impl<'a> Allocator<'a> {
                 .fetch_and(!(1u64 << (s % 64)), Ordering::AcqRel);
             let first = s as u64 * PAGES_PER_SLAB;
             self.release_range(first, first + PAGES_PER_SLAB);
+            self.lower_hint(first);
         }
     }
 
@@ -582,6 +643,23 @@ impl<'a> Allocator<'a> {
 
     /// Scans the bitmaps. Not atomic as a whole: exact only when no one allocates meanwhile.
     pub(crate) fn usage(&self) -> Usage {
+        // Empty slabs kept as a class's current slab are returned by any allocation that
+        // needs their pages (`flush_idle_slabs`), so they count as free runs here.
+        let mut idle: Vec<(usize, u64)> = Vec::new();
+        for class in 0..CLASSES as usize {
+            let h = self.hint(class).load(Ordering::Relaxed);
+            if h == 0 || h > self.slabs.len() as u64 {
+                continue;
+            }
+            let s = (h - 1) as usize;
+            if self.slabs[s].state.load(Ordering::Relaxed) == (class as u64 + 1) << 16 {
+                let first = s as u64 * PAGES_PER_SLAB;
+                idle.push((
+                    (first / 64) as usize,
+                    range_mask(first % 64, first % 64 + PAGES_PER_SLAB),
+                ));
+            }
+        }
         let mut page_bits = 0u64;
         let mut largest = 0u64;
         let mut run = 0u64;
@@ -591,8 +669,13 @@ impl<'a> Allocator<'a> {
                 break;
             }
             let valid = (self.npages - base).min(64);
-            let w = word.load(Ordering::Relaxed) & range_mask(0, valid);
+            let mut w = word.load(Ordering::Relaxed) & range_mask(0, valid);
             page_bits += w.count_ones() as u64;
+            for &(iw, mask) in &idle {
+                if iw == wi {
+                    w &= !mask;
+                }
+            }
             if w == 0 {
                 run += valid;
                 largest = largest.max(run);
@@ -625,6 +708,7 @@ impl<'a> Allocator<'a> {
         }
         let capacity = self.capacity();
         let used = (page_bits * PAGE).saturating_sub(slabs * SLAB) + slab_used;
+        debug_assert!(idle.len() as u64 <= slabs);
         Usage {
             capacity,
             used,
@@ -647,16 +731,22 @@ impl<'a> Allocator<'a> {
                 .sum();
             if c == 0 {
                 if st != 0 || ones != 0 {
-                    return Err(corrupted(format!("free slab unit {s} has state {st:#x}, {ones} bits")));
+                    return Err(corrupted(format!(
+                        "free slab unit {s} has state {st:#x}, {ones} bits"
+                    )));
                 }
                 continue;
             }
             if c > CLASSES as usize || ones > st & 0xffff || st & 0xffff > blocks_per_slab(c - 1) {
-                return Err(corrupted(format!("slab {s}: state {st:#x}, {ones} bits set")));
+                return Err(corrupted(format!(
+                    "slab {s}: state {st:#x}, {ones} bits set"
+                )));
             }
             let first = s as u64 * PAGES_PER_SLAB;
             if self.next_free(first, first + PAGES_PER_SLAB).is_some() {
-                return Err(corrupted(format!("slab {s} is live but its pages are free")));
+                return Err(corrupted(format!(
+                    "slab {s} is live but its pages are free"
+                )));
             }
         }
         Ok(())
@@ -694,7 +784,13 @@ pub(crate) mod testing {
 
         /// Borrows it as an [`Allocator`].
         pub(crate) fn get(&self) -> Allocator<'_> {
-            Allocator::new(&self.pages, self.npages, &self.slabs, &self.partial, &self.hints)
+            Allocator::new(
+                &self.pages,
+                self.npages,
+                &self.slabs,
+                &self.partial,
+                &self.hints,
+            )
         }
     }
 }
@@ -751,7 +847,11 @@ mod tests {
         let a = h.get();
         let b = a.alloc(200 << 10).unwrap();
         match a.alloc(100 << 10) {
-            Err(Error::Full { requested, free, largest_free }) => {
+            Err(Error::Full {
+                requested,
+                free,
+                largest_free,
+            }) => {
                 assert_eq!(requested, 100 << 10);
                 assert_eq!(free, 56 << 10);
                 assert_eq!(largest_free, 56 << 10);
@@ -774,9 +874,17 @@ mod tests {
         let p = a.alloc(50_000).unwrap();
         a.free(p).unwrap();
         assert!(a.free(p).is_err());
-        let forged = Block { offset: 1 << 30, size: PAGE, kind: BlockKind::Pages };
+        let forged = Block {
+            offset: 1 << 30,
+            size: PAGE,
+            kind: BlockKind::Pages,
+        };
         assert!(a.free(forged).is_err());
-        let forged = Block { offset: 3, size: 64, kind: BlockKind::Slab(0) };
+        let forged = Block {
+            offset: 3,
+            size: 64,
+            kind: BlockKind::Slab(0),
+        };
         assert!(a.free(forged).is_err());
         a.free(keep).unwrap();
         a.audit().unwrap();
@@ -829,7 +937,11 @@ mod tests {
                         x ^= x << 13;
                         x ^= x >> 7;
                         x ^= x << 17;
-                        let size = if i % 50 == 0 { 20_000 + x % 100_000 } else { 1 + x % 3000 };
+                        let size = if i % 50 == 0 {
+                            20_000 + x % 100_000
+                        } else {
+                            1 + x % 3000
+                        };
                         if let Ok(b) = a.alloc(size) {
                             live.push(b);
                         }
@@ -842,7 +954,10 @@ mod tests {
                 })
             })
             .collect();
-        let mut all: Vec<Block> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
+        let mut all: Vec<Block> = threads
+            .into_iter()
+            .flat_map(|t| t.join().unwrap())
+            .collect();
         all.sort_by_key(|b| b.offset);
         for w in all.windows(2) {
             assert!(w[0].offset + w[0].size <= w[1].offset, "{w:?} overlap");

@@ -60,7 +60,11 @@ pub(crate) fn decode_hold(v: u64) -> Option<(HoldKind, SlotRef)> {
     if idx == 0 {
         return None;
     }
-    let kind = if v >> 63 == 1 { HoldKind::Creation } else { HoldKind::Pin };
+    let kind = if v >> 63 == 1 {
+        HoldKind::Creation
+    } else {
+        HoldKind::Pin
+    };
     Some((
         kind,
         SlotRef {
@@ -94,7 +98,9 @@ impl Client<'_> {
         }
         self.header.pid.store(pid, Ordering::Relaxed);
         self.header.start_time.store(start_time, Ordering::Relaxed);
-        self.header.attached_unix_ns.store(now_ns, Ordering::Release);
+        self.header
+            .attached_unix_ns
+            .store(now_ns, Ordering::Release);
         true
     }
 
@@ -158,7 +164,10 @@ mod tests {
     #[test]
     fn hold_records_round_trip() {
         for kind in [HoldKind::Pin, HoldKind::Creation] {
-            let r = SlotRef { index: 123_456, gen: u32::MAX };
+            let r = SlotRef {
+                index: 123_456,
+                gen: u32::MAX,
+            };
             assert_eq!(decode_hold(encode_hold(kind, r)), Some((kind, r)));
         }
         assert_eq!(decode_hold(0), None);
@@ -176,13 +185,21 @@ mod tests {
     fn claims_and_holds() {
         let header = ClientHeader::default();
         let holds: Vec<AtomicU64> = (0..4).map(|_| AtomicU64::new(0)).collect();
-        let c = Client { header: &header, holds: &holds };
+        let c = Client {
+            header: &header,
+            holds: &holds,
+        };
         assert!(c.try_claim(1, 2, 3));
         assert!(!c.try_claim(1, 2, 3));
         let cur = AtomicU64::new(0);
         let r = SlotRef { index: 5, gen: 6 };
-        let idx: Vec<u32> = (0..4).map(|_| c.add_hold(encode_hold(HoldKind::Pin, r), &cur).unwrap()).collect();
-        assert!(matches!(c.add_hold(1 << 32, &cur), Err(Error::TooManyHolds { limit: 4 })));
+        let idx: Vec<u32> = (0..4)
+            .map(|_| c.add_hold(encode_hold(HoldKind::Pin, r), &cur).unwrap())
+            .collect();
+        assert!(matches!(
+            c.add_hold(1 << 32, &cur),
+            Err(Error::TooManyHolds { limit: 4 })
+        ));
         assert_eq!(c.holds().count(), 4);
         idx.iter().for_each(|&i| c.clear_hold(i));
         assert_eq!(c.holds().count(), 0);

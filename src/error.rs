@@ -288,7 +288,12 @@ mod tests {
         assert!(m.contains("/dev/shm has 64.0 MiB free"), "{m}");
         assert!(m.contains("needs 4.0 GiB"), "{m}");
         assert!(m.contains("--shm-size"), "{m}");
-        let full = Error::Full { requested: 2048, free: 1024, largest_free: 512 }.to_string();
+        let full = Error::Full {
+            requested: 2048,
+            free: 1024,
+            largest_free: 512,
+        }
+        .to_string();
         assert!(full.contains("2.0 KiB requested"), "{full}");
     }
 }

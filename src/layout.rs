@@ -315,10 +315,16 @@ mod tests {
         ));
         let mut bad = ok.clone();
         bad[0] = b'X';
-        assert!(matches!(Superblock::validate(&bad, sb.total_size, p), Err(Error::NotAStore { .. })));
+        assert!(matches!(
+            Superblock::validate(&bad, sb.total_size, p),
+            Err(Error::NotAStore { .. })
+        ));
         let mut bad = ok.clone();
         bad[40] ^= 1;
-        assert!(matches!(Superblock::validate(&bad, sb.total_size, p), Err(Error::Corrupted { .. })));
+        assert!(matches!(
+            Superblock::validate(&bad, sb.total_size, p),
+            Err(Error::Corrupted { .. })
+        ));
         // Consistent checksum but inconsistent offsets.
         let mut forged = sb;
         forged.heap_offset += 64;
@@ -334,7 +340,10 @@ mod tests {
             Superblock::validate(bytemuck::bytes_of(&v), sb.total_size, p),
             Err(Error::VersionMismatch { found: 99, .. })
         ));
-        assert!(matches!(Superblock::validate(&ok[..100], 100, p), Err(Error::Truncated { .. })));
+        assert!(matches!(
+            Superblock::validate(&ok[..100], 100, p),
+            Err(Error::Truncated { .. })
+        ));
     }
 
     #[test]

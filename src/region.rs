@@ -109,14 +109,19 @@ fn shmem_thp_enabled() -> bool {
 }
 
 impl Mapping {
-    fn finish(map: MmapRaw, file: File, path: Option<PathBuf>, huge: HugePages, prefault: bool) -> Self {
+    fn finish(
+        map: MmapRaw,
+        file: File,
+        path: Option<PathBuf>,
+        huge: HugePages,
+        prefault: bool,
+    ) -> Self {
         let mut huge_ok = false;
         if huge == HugePages::Try {
             // SAFETY: the range is exactly our live mapping; MADV_HUGEPAGE is advisory and
             // does not change its contents.
-            let rc = unsafe {
-                libc::madvise(map.as_mut_ptr().cast(), map.len(), libc::MADV_HUGEPAGE)
-            };
+            let rc =
+                unsafe { libc::madvise(map.as_mut_ptr().cast(), map.len(), libc::MADV_HUGEPAGE) };
             huge_ok = rc == 0 && shmem_thp_enabled();
         }
         let m = Mapping {
@@ -139,12 +144,20 @@ impl Mapping {
         // but leaves their contents alone; on kernels without it this fails with EINVAL and
         // we fall back to WILLNEED, which is purely advisory.
         let rc = unsafe {
-            libc::madvise(self.map.as_mut_ptr().cast(), self.map.len(), MADV_POPULATE_WRITE)
+            libc::madvise(
+                self.map.as_mut_ptr().cast(),
+                self.map.len(),
+                MADV_POPULATE_WRITE,
+            )
         };
         if rc != 0 {
             // SAFETY: as above; advisory only.
             unsafe {
-                libc::madvise(self.map.as_mut_ptr().cast(), self.map.len(), libc::MADV_WILLNEED)
+                libc::madvise(
+                    self.map.as_mut_ptr().cast(),
+                    self.map.len(),
+                    libc::MADV_WILLNEED,
+                )
             };
         }
     }
@@ -209,7 +222,11 @@ impl Mapping {
     }
 
     /// Creates an anonymous store in a sealed memfd.
-    pub(crate) fn create_memfd(sb: &Superblock, huge: HugePages, prefault: bool) -> Result<Mapping> {
+    pub(crate) fn create_memfd(
+        sb: &Superblock,
+        huge: HugePages,
+        prefault: bool,
+    ) -> Result<Mapping> {
         let label = Path::new("memfd:shmstore");
         // SAFETY: valid NUL-terminated name; flags are valid for memfd_create.
         let fd = unsafe {
@@ -233,7 +250,9 @@ impl Mapping {
             )
         };
         if rc != 0 {
-            return Err(io_err("fcntl(F_ADD_SEALS)", label)(io::Error::last_os_error()));
+            return Err(io_err("fcntl(F_ADD_SEALS)", label)(
+                io::Error::last_os_error(),
+            ));
         }
         let map = map(&file, sb.total_size, label)?;
         let m = Mapping::finish(map, file, None, huge, prefault);
@@ -243,7 +262,11 @@ impl Mapping {
 
     /// Opens and validates an existing store file (a named store, or a memfd reached
     /// through `/proc/PID/fd/N`).
-    pub(crate) fn open(path: &Path, huge: HugePages, prefault: bool) -> Result<(Mapping, Superblock)> {
+    pub(crate) fn open(
+        path: &Path,
+        huge: HugePages,
+        prefault: bool,
+    ) -> Result<(Mapping, Superblock)> {
         let file = match OpenOptions::new().read(true).write(true).open(path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {

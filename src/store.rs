@@ -189,10 +189,17 @@ unsafe impl SharedPod for ClientHeader {}
 /// `base` must point to a mapping of `total` bytes that stays mapped for `'static` as far
 /// as the returned slice's users can tell (the caller ties it to the `Inner` that owns the
 /// mapping and never lets the slice escape it).
-unsafe fn section<T: SharedPod>(base: *mut u8, total: usize, off: u64, count: u64) -> Result<&'static [T]> {
+unsafe fn section<T: SharedPod>(
+    base: *mut u8,
+    total: usize,
+    off: u64,
+    count: u64,
+) -> Result<&'static [T]> {
     let bytes = count.checked_mul(std::mem::size_of::<T>() as u64);
     let end = bytes.and_then(|b| b.checked_add(off));
-    if end.is_none_or(|e| e > total as u64) || (base as usize + off as usize) % std::mem::align_of::<T>() != 0 {
+    if end.is_none_or(|e| e > total as u64)
+        || (base as usize + off as usize) % std::mem::align_of::<T>() != 0
+    {
         return Err(Error::Corrupted {
             what: format!("section at {off} ({count} items) does not fit the mapping"),
         });
@@ -246,7 +253,12 @@ impl Inner {
             (
                 section(base, total, sb.page_bitmap_offset, sb.pages.div_ceil(64))?,
                 section(base, total, sb.slab_desc_offset, sb.slabs)?,
-                section(base, total, sb.partial_offset, sb.partial_words * crate::layout::CLASSES)?,
+                section(
+                    base,
+                    total,
+                    sb.partial_offset,
+                    sb.partial_words * crate::layout::CLASSES,
+                )?,
                 section(base, total, sb.hints_offset, crate::layout::CLASSES + 1)?,
                 section(base, total, sb.slots_offset, sb.table_slots)?,
                 section(base, total, sb.buckets_offset, sb.table_slots)?,
@@ -299,7 +311,13 @@ impl Inner {
     }
 
     fn alloc(&self) -> Allocator<'_> {
-        Allocator::new(self.pages, self.sb.pages, self.slabs, self.partial, self.hints)
+        Allocator::new(
+            self.pages,
+            self.sb.pages,
+            self.slabs,
+            self.partial,
+            self.hints,
+        )
     }
 
     fn table(&self) -> Table<'_> {
@@ -314,7 +332,8 @@ impl Inner {
     }
 
     fn hold(&self, kind: HoldKind, r: SlotRef) -> Result<u32> {
-        self.client().add_hold(encode_hold(kind, r), &self.hold_cursor)
+        self.client()
+            .add_hold(encode_hold(kind, r), &self.hold_cursor)
     }
 
     /// Checks an entry read from shared memory and turns it into a block and pointers.
@@ -332,7 +351,11 @@ impl Inner {
             BlockKind::Pages => need.div_ceil(PAGE) * PAGE,
             BlockKind::Slab(c) => CLASS_SIZES[c as usize],
         };
-        if need > size || e.offset.checked_add(size).is_none_or(|end| end > self.sb.heap_size) {
+        if need > size
+            || e.offset
+                .checked_add(size)
+                .is_none_or(|end| end > self.sb.heap_size)
+        {
             return Err(bad());
         }
         // SAFETY: offset + size <= heap_size (checked), so both pointers stay in the heap.
@@ -385,7 +408,12 @@ unsafe fn client_sections(
     // SAFETY: forwarded contract; bounds and alignment are checked inside `section`.
     unsafe {
         let h: &'static [ClientHeader] = section(base, total, off, 1)?;
-        let holds = section(base, total, off + crate::layout::CLIENT_HEADER, sb.holds_per_client)?;
+        let holds = section(
+            base,
+            total,
+            off + crate::layout::CLIENT_HEADER,
+            sb.holds_per_client,
+        )?;
         Ok((&h[0], holds))
     }
 }
@@ -434,7 +462,8 @@ impl Store {
     /// ```
     pub fn create(name: &str, cfg: &StoreConfig) -> Result<Store> {
         let sb = Self::superblock_for(cfg)?;
-        let map = Mapping::create_named(&cfg.dir, name, &sb, cfg.mode, cfg.huge_pages, cfg.prefault)?;
+        let map =
+            Mapping::create_named(&cfg.dir, name, &sb, cfg.mode, cfg.huge_pages, cfg.prefault)?;
         Self::attach(map, sb, cfg.get_spin)
     }
 
@@ -593,7 +622,12 @@ impl Store {
     /// assert_eq!(store.try_get(&id)?.meta(), b"f32[2]");
     /// # Ok::<(), shmstore::Error>(())
     /// ```
-    pub fn create_object_with_meta(&self, id: &ObjectId, len: u64, meta: &[u8]) -> Result<Creation> {
+    pub fn create_object_with_meta(
+        &self,
+        id: &ObjectId,
+        len: u64,
+        meta: &[u8],
+    ) -> Result<Creation> {
         if meta.len() as u64 > MAX_META {
             return Err(Error::MetadataTooLarge {
                 len: meta.len(),
@@ -603,7 +637,10 @@ impl Store {
         let inner = &self.inner;
         let need = pad64(meta.len() as u64)
             .checked_add(len)
-            .ok_or(Error::TooLarge { requested: u64::MAX, max: self.max_object_size() })?;
+            .ok_or(Error::TooLarge {
+                requested: u64::MAX,
+                max: self.max_object_size(),
+            })?;
         let block = inner.alloc().alloc(need)?;
         let entry = Entry {
             offset: block.offset,
@@ -688,8 +725,14 @@ impl Store {
     /// ```
     pub fn get(&self, id: &ObjectId, timeout: Duration) -> Result<View> {
         let start = Instant::now();
-        let deadline = start.checked_add(timeout).unwrap_or(start + Duration::from_secs(1 << 32));
-        match self.inner.table().pin_wait(id, Some(deadline), self.inner.get_spin)? {
+        let deadline = start
+            .checked_add(timeout)
+            .unwrap_or(start + Duration::from_secs(1 << 32));
+        match self
+            .inner
+            .table()
+            .pin_wait(id, Some(deadline), self.inner.get_spin)?
+        {
             Pin::Pinned(r, e) => self.view(id, r, e),
             _ => Err(Error::Timeout {
                 id: *id,
@@ -727,7 +770,9 @@ impl Store {
     /// ```
     pub fn get_many(&self, ids: &[ObjectId], timeout: Duration) -> Result<Vec<View>> {
         let start = Instant::now();
-        let deadline = start.checked_add(timeout).unwrap_or(start + Duration::from_secs(1 << 32));
+        let deadline = start
+            .checked_add(timeout)
+            .unwrap_or(start + Duration::from_secs(1 << 32));
         ids.iter()
             .map(|id| self.get(id, deadline.saturating_duration_since(Instant::now())))
             .collect()
@@ -879,7 +924,8 @@ impl Store {
         let (mut held_pins, mut held_creations) = (0u64, 0u64);
         for i in 0..inner.sb.max_clients {
             // SAFETY: same mapping and contract as at attach.
-            let (header, holds) = unsafe { client_sections(inner.map.base(), inner.map.len(), &inner.sb, i)? };
+            let (header, holds) =
+                unsafe { client_sections(inner.map.base(), inner.map.len(), &inner.sb, i)? };
             for (kind, _) in (Client { header, holds }).holds() {
                 match kind {
                     HoldKind::Pin => held_pins += 1,
@@ -1037,7 +1083,10 @@ impl DerefMut for Creation {
 
 impl fmt::Debug for Creation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Creation").field("id", &self.id).field("len", &self.len).finish()
+        f.debug_struct("Creation")
+            .field("id", &self.id)
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -1170,6 +1219,9 @@ impl Drop for View {
 
 impl fmt::Debug for View {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("View").field("id", &self.id).field("len", &self.len).finish()
+        f.debug_struct("View")
+            .field("id", &self.id)
+            .field("len", &self.len)
+            .finish()
     }
 }

@@ -25,7 +25,81 @@
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+pub(crate) use std::sync::atomic::{fence, Ordering};
+
+/// Std atomics behind `repr(transparent)` newtypes: the same layout (so shared memory can
+/// be viewed as them, and all-zero bytes are a valid value), but distinct types, so that
+/// clippy's `disallowed-types` catches any direct use of `std::sync::atomic` elsewhere.
+#[cfg(not(loom))]
+macro_rules! atomic_newtype {
+    ($name:ident, $std:ty, $int:ty) => {
+        #[doc = concat!("`", stringify!($std), "` for shared memory, switchable to loom.")]
+        #[repr(transparent)]
+        #[derive(Default, Debug)]
+        pub(crate) struct $name($std);
+
+        #[allow(dead_code)]
+        impl $name {
+            pub(crate) const fn new(v: $int) -> Self {
+                Self(<$std>::new(v))
+            }
+            #[inline]
+            pub(crate) fn load(&self, o: Ordering) -> $int {
+                self.0.load(o)
+            }
+            #[inline]
+            pub(crate) fn store(&self, v: $int, o: Ordering) {
+                self.0.store(v, o)
+            }
+            #[inline]
+            pub(crate) fn compare_exchange(
+                &self,
+                cur: $int,
+                new: $int,
+                ok: Ordering,
+                fail: Ordering,
+            ) -> Result<$int, $int> {
+                self.0.compare_exchange(cur, new, ok, fail)
+            }
+            #[inline]
+            pub(crate) fn compare_exchange_weak(
+                &self,
+                cur: $int,
+                new: $int,
+                ok: Ordering,
+                fail: Ordering,
+            ) -> Result<$int, $int> {
+                self.0.compare_exchange_weak(cur, new, ok, fail)
+            }
+            #[inline]
+            pub(crate) fn fetch_add(&self, v: $int, o: Ordering) -> $int {
+                self.0.fetch_add(v, o)
+            }
+            #[inline]
+            pub(crate) fn fetch_sub(&self, v: $int, o: Ordering) -> $int {
+                self.0.fetch_sub(v, o)
+            }
+            #[inline]
+            pub(crate) fn fetch_and(&self, v: $int, o: Ordering) -> $int {
+                self.0.fetch_and(v, o)
+            }
+            #[inline]
+            pub(crate) fn fetch_or(&self, v: $int, o: Ordering) -> $int {
+                self.0.fetch_or(v, o)
+            }
+            /// The word's address, for the futex syscall.
+            #[inline]
+            pub(crate) fn as_ptr(&self) -> *mut $int {
+                self.0.as_ptr()
+            }
+        }
+    };
+}
+
+#[cfg(not(loom))]
+atomic_newtype!(AtomicU32, std::sync::atomic::AtomicU32, u32);
+#[cfg(not(loom))]
+atomic_newtype!(AtomicU64, std::sync::atomic::AtomicU64, u64);
 
 /// Back off inside a CAS retry loop (a pause instruction; a yield under loom).
 #[inline]

@@ -148,7 +148,11 @@ fn corrupted(what: String) -> Error {
 
 impl<'a> Table<'a> {
     /// Wraps the sections; `slots.len()` is a power of two >= NEIGHBORHOOD.
-    pub(crate) fn new(slots: &'a [Slot], buckets: &'a [AtomicU64], waits: &'a [WaitBucket]) -> Self {
+    pub(crate) fn new(
+        slots: &'a [Slot],
+        buckets: &'a [AtomicU64],
+        waits: &'a [WaitBucket],
+    ) -> Self {
         debug_assert!(slots.len().is_power_of_two() && slots.len() as u64 >= NEIGHBORHOOD);
         debug_assert_eq!(slots.len(), buckets.len());
         debug_assert_eq!(waits.len() as u64, WAIT_BUCKETS);
@@ -218,8 +222,7 @@ impl<'a> Table<'a> {
             let (i, s) = self.slot(home, d);
             let c = Ctl(s.ctl.load(Ordering::Relaxed));
             if c.state() == FREE
-                && s
-                    .ctl
+                && s.ctl
                     .compare_exchange(
                         c.0,
                         Ctl::new(RESERVED, 0, c.gen()).0,
@@ -252,12 +255,18 @@ impl<'a> Table<'a> {
         let mut b = bucket.load(Ordering::Acquire);
         loop {
             if self.find_in(home, b, &words).is_some() {
-                s.ctl.store(Ctl::new(FREE, 0, gen.wrapping_add(1)).0, Ordering::Release);
+                s.ctl
+                    .store(Ctl::new(FREE, 0, gen.wrapping_add(1)).0, Ordering::Release);
                 return Err(Error::AlreadyExists { id: *id });
             }
             let nb = ((b >> 32).wrapping_add(1) << 32) | (b as u32 as u64) | (1 << d);
             match bucket.compare_exchange(b, nb, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Ok(SlotRef { index: i as u32, gen }),
+                Ok(_) => {
+                    return Ok(SlotRef {
+                        index: i as u32,
+                        gen,
+                    })
+                }
                 Err(now) => b = now,
             }
         }
@@ -302,7 +311,12 @@ impl<'a> Table<'a> {
             if c.gen() != r.gen || c.pins() == 0 || c.pins() >= MAX_PINS {
                 return Err(corrupted(format!("add_pin on slot {} in {c:?}", r.index)));
             }
-            match s.ctl.compare_exchange_weak(c.0, c.0 + PIN_ONE, Ordering::Relaxed, Ordering::Relaxed) {
+            match s.ctl.compare_exchange_weak(
+                c.0,
+                c.0 + PIN_ONE,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
                 Ok(_) => return Ok(()),
                 Err(now) => c = Ctl(now),
             }
@@ -332,7 +346,10 @@ impl<'a> Table<'a> {
                 return Err(corrupted(format!("unpin of slot {} in {c:?}", r.index)));
             }
             let n = Ctl(c.0 - PIN_ONE);
-            match s.ctl.compare_exchange_weak(c.0, n.0, Ordering::AcqRel, Ordering::Relaxed) {
+            match s
+                .ctl
+                .compare_exchange_weak(c.0, n.0, Ordering::AcqRel, Ordering::Relaxed)
+            {
                 Ok(_) => {
                     return Ok((n.state() == DELETED && n.pins() == 0)
                         .then(|| self.entry(r.index as usize)));
@@ -361,8 +378,19 @@ impl<'a> Table<'a> {
         }
         // Release: every payload byte written before this store is visible to whoever pins.
         s.ctl
-            .compare_exchange(c.0, Ctl::new(SEALED, c.pins(), c.gen()).0, Ordering::Release, Ordering::Relaxed)
-            .map_err(|now| corrupted(format!("slot {} changed under its creator: {:?}", r.index, Ctl(now))))?;
+            .compare_exchange(
+                c.0,
+                Ctl::new(SEALED, c.pins(), c.gen()).0,
+                Ordering::Release,
+                Ordering::Relaxed,
+            )
+            .map_err(|now| {
+                corrupted(format!(
+                    "slot {} changed under its creator: {:?}",
+                    r.index,
+                    Ctl(now)
+                ))
+            })?;
         self.notify(id);
         Ok(())
     }
@@ -377,7 +405,10 @@ impl<'a> Table<'a> {
                 return Ok(false);
             }
             let n = Ctl::new(DELETED, c.pins() + 1, c.gen());
-            match s.ctl.compare_exchange_weak(c.0, n.0, Ordering::AcqRel, Ordering::Relaxed) {
+            match s
+                .ctl
+                .compare_exchange_weak(c.0, n.0, Ordering::AcqRel, Ordering::Relaxed)
+            {
                 Ok(_) => break,
                 Err(now) => c = Ctl(now),
             }
@@ -388,7 +419,10 @@ impl<'a> Table<'a> {
         let mut b = bucket.load(Ordering::Relaxed);
         loop {
             if d >= NEIGHBORHOOD || b & (1 << d) == 0 {
-                return Err(corrupted(format!("slot {} missing from its bucket", r.index)));
+                return Err(corrupted(format!(
+                    "slot {} missing from its bucket",
+                    r.index
+                )));
             }
             let nb = ((b >> 32).wrapping_add(1) << 32) | (b as u32 as u64 & !(1 << d));
             match bucket.compare_exchange_weak(b, nb, Ordering::AcqRel, Ordering::Relaxed) {
@@ -402,7 +436,10 @@ impl<'a> Table<'a> {
     /// reference, since unsealed objects cannot be pinned).
     pub(crate) fn abort(&self, id: &ObjectId, r: SlotRef) -> Result<Option<Entry>> {
         if !self.retire(id, r, CREATING)? {
-            return Err(corrupted(format!("abort of slot {} not in CREATING", r.index)));
+            return Err(corrupted(format!(
+                "abort of slot {} not in CREATING",
+                r.index
+            )));
         }
         // Wake getters so they re-check (the id may be created again).
         self.notify(id);
@@ -452,7 +489,12 @@ impl<'a> Table<'a> {
     /// that lands in that window is seen in a cache-line transfer, with no syscall on
     /// either side), then sleeps on the bucket's futex. Sleepers register in `waiters`
     /// before their final check, so a sealer that sees no waiter can skip the wake.
-    pub(crate) fn pin_wait(&self, id: &ObjectId, deadline: Option<Instant>, spin: Duration) -> Result<Pin> {
+    pub(crate) fn pin_wait(
+        &self,
+        id: &ObjectId,
+        deadline: Option<Instant>,
+        spin: Duration,
+    ) -> Result<Pin> {
         let first = self.pin(id)?;
         let Some(deadline) = deadline else {
             return Ok(first);
@@ -560,7 +602,13 @@ mod tests {
     use super::*;
 
     fn e(offset: u64) -> Entry {
-        Entry { offset, len: 10, meta_len: 0, kind: 1, creator: 3 }
+        Entry {
+            offset,
+            len: 10,
+            meta_len: 0,
+            kind: 1,
+            creator: 3,
+        }
     }
 
     #[test]
@@ -570,11 +618,16 @@ mod tests {
         let id = ObjectId::of_key("a");
         let r = t.insert(&id, &e(640)).unwrap();
         assert!(matches!(t.pin(&id).unwrap(), Pin::Creating));
-        assert!(matches!(t.insert(&id, &e(0)), Err(Error::AlreadyExists { .. })));
+        assert!(matches!(
+            t.insert(&id, &e(0)),
+            Err(Error::AlreadyExists { .. })
+        ));
         assert!(matches!(t.delete(&id), Err(Error::NotSealed { .. })));
         t.seal(&id, r).unwrap();
         assert!(t.contains_sealed(&id));
-        let Pin::Pinned(p, entry) = t.pin(&id).unwrap() else { panic!() };
+        let Pin::Pinned(p, entry) = t.pin(&id).unwrap() else {
+            panic!()
+        };
         assert_eq!(p, r);
         assert_eq!(entry, e(640));
         // Delete while pinned: lookups stop at once, the block is not freed yet.
@@ -627,7 +680,13 @@ mod tests {
             }
         };
         assert_eq!(n, 32);
-        assert!(matches!(err, Error::TableFull { objects: 32, slots: 32 }));
+        assert!(matches!(
+            err,
+            Error::TableFull {
+                objects: 32,
+                slots: 32
+            }
+        ));
     }
 
     #[test]
@@ -660,14 +719,21 @@ mod tests {
         let id = ObjectId::of_key("w");
         let t = h.get();
         let start = Instant::now();
-        let p = t.pin_wait(&id, Some(start + Duration::from_millis(30)), Duration::ZERO).unwrap();
+        let p = t
+            .pin_wait(&id, Some(start + Duration::from_millis(30)), Duration::ZERO)
+            .unwrap();
         assert!(matches!(p, Pin::Absent));
         assert!(start.elapsed() >= Duration::from_millis(29));
         let h2 = h.clone();
         let waiter = std::thread::spawn(move || {
             let t = h2.get();
             matches!(
-                t.pin_wait(&id, Some(Instant::now() + Duration::from_secs(20)), Duration::from_micros(spin)).unwrap(),
+                t.pin_wait(
+                    &id,
+                    Some(Instant::now() + Duration::from_secs(20)),
+                    Duration::from_micros(spin)
+                )
+                .unwrap(),
                 Pin::Pinned(..)
             )
         });

@@ -64,9 +64,11 @@ fn child_entry() {
         "get-timeout" => {
             let t = Instant::now();
             match store.get(&id(&args[1]), Duration::from_millis(200)) {
-                Err(Error::Timeout { waited, .. }) => {
-                    say(format!("timeout {} {}", waited.as_millis(), t.elapsed().as_millis()))
-                }
+                Err(Error::Timeout { waited, .. }) => say(format!(
+                    "timeout {} {}",
+                    waited.as_millis(),
+                    t.elapsed().as_millis()
+                )),
                 other => say(format!("unexpected {other:?}")),
             }
         }
@@ -76,7 +78,11 @@ fn child_entry() {
                 let data = bytes(n, 256 << 10);
                 match store.put(&ObjectId::of_content(&data), &data) {
                     Ok(()) => n += 1,
-                    Err(Error::Full { requested, free, largest_free }) => {
+                    Err(Error::Full {
+                        requested,
+                        free,
+                        largest_free,
+                    }) => {
                         say(format!("full {n} {requested} {free} {largest_free}"));
                         break;
                     }
@@ -113,8 +119,9 @@ fn seal_wakes_two_readers_blocked_in_other_processes_and_they_read_exact_bytes()
     for (round, len) in [1usize, 4096, (3 << 20) + 17].into_iter().enumerate() {
         let data = bytes(round as u64, len);
         let id = ObjectId::of_content(&data);
-        let mut readers: Vec<Proc> =
-            (0..2).map(|_| child("get-hash", &store, &[id.to_string()])).collect();
+        let mut readers: Vec<Proc> = (0..2)
+            .map(|_| child("get-hash", &store, &[id.to_string()]))
+            .collect();
         for r in &mut readers {
             assert_eq!(r.recv(), "attached");
             r.wait_until_blocked_in_futex(Duration::from_secs(20));
@@ -251,8 +258,13 @@ fn racing_producers_in_two_processes_create_each_id_once() {
     assert_eq!(total, n);
     assert_eq!(store.stats().objects, n);
     for i in 0..n {
-        let v = store.try_get(&ObjectId::of_key(format!("race-{i}"))).unwrap();
-        assert!(v.iter().all(|&b| b == v[0]), "object {i} was written by two processes");
+        let v = store
+            .try_get(&ObjectId::of_key(format!("race-{i}")))
+            .unwrap();
+        assert!(
+            v.iter().all(|&b| b == v[0]),
+            "object {i} was written by two processes"
+        );
     }
     store.check_invariants().unwrap();
 }

@@ -22,9 +22,15 @@ fn healthy(tag: &str) -> (Store, Cleanup) {
 #[test]
 fn garbage_is_not_a_store() {
     let f = write_file("garbage", &[0x5a; 8192]);
-    assert!(matches!(Store::open_path(&f.0), Err(Error::NotAStore { .. })));
+    assert!(matches!(
+        Store::open_path(&f.0),
+        Err(Error::NotAStore { .. })
+    ));
     let f = write_file("empty", &[]);
-    assert!(matches!(Store::open_path(&f.0), Err(Error::Truncated { actual: 0, .. })));
+    assert!(matches!(
+        Store::open_path(&f.0),
+        Err(Error::Truncated { actual: 0, .. })
+    ));
 }
 
 #[test]
@@ -35,13 +41,18 @@ fn truncated_store_is_truncated() {
     let f = std::fs::OpenOptions::new().write(true).open(&c.0).unwrap();
     f.set_len(full / 2).unwrap();
     match Store::open_path(&c.0) {
-        Err(Error::Truncated { expected, actual, .. }) => {
+        Err(Error::Truncated {
+            expected, actual, ..
+        }) => {
             assert_eq!((expected, actual), (full, full / 2));
         }
         other => panic!("{other:?}"),
     }
     f.set_len(100).unwrap();
-    assert!(matches!(Store::open_path(&c.0), Err(Error::Truncated { actual: 100, .. })));
+    assert!(matches!(
+        Store::open_path(&c.0),
+        Err(Error::Truncated { actual: 100, .. })
+    ));
 }
 
 #[test]
@@ -52,7 +63,13 @@ fn wrong_version_is_version_mismatch() {
     f.seek(SeekFrom::Start(8)).unwrap();
     f.write_all(&7u32.to_le_bytes()).unwrap();
     match Store::open_path(&c.0) {
-        Err(e @ Error::VersionMismatch { found: 7, supported: 1, .. }) => {
+        Err(
+            e @ Error::VersionMismatch {
+                found: 7,
+                supported: 1,
+                ..
+            },
+        ) => {
             assert!(e.to_string().contains("same shmstore version"), "{e}");
         }
         other => panic!("{other:?}"),
@@ -64,7 +81,11 @@ fn scribbled_superblock_is_corrupted() {
     let (s, c) = healthy("scribble");
     drop(s);
     for offset in [24u64, 64, 120, 200] {
-        let mut f = std::fs::OpenOptions::new().read(true).write(true).open(&c.0).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&c.0)
+            .unwrap();
         f.seek(SeekFrom::Start(offset)).unwrap();
         f.write_all(&[0xff; 4]).unwrap();
         assert!(
@@ -81,7 +102,14 @@ fn missing_and_existing_names() {
         Err(Error::StoreNotFound { .. })
     ));
     let (s, _c) = healthy("exists");
-    let name = s.path().unwrap().file_name().unwrap().to_str().unwrap().to_owned();
+    let name = s
+        .path()
+        .unwrap()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
     assert!(matches!(
         Store::create(&name, &StoreConfig::with_capacity(1 << 20)),
         Err(Error::StoreExists { .. })
@@ -98,8 +126,17 @@ fn undersized_filesystem_fails_at_create_with_the_numbers() {
     let free = {
         let (s, _c) = healthy("probe");
         drop(s);
-        let out = std::process::Command::new("df").args(["-B1", "--output=avail", "/dev/shm"]).output().unwrap();
-        String::from_utf8_lossy(&out.stdout).lines().nth(1).unwrap().trim().parse::<u64>().unwrap()
+        let out = std::process::Command::new("df")
+            .args(["-B1", "--output=avail", "/dev/shm"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .nth(1)
+            .unwrap()
+            .trim()
+            .parse::<u64>()
+            .unwrap()
     };
     let cfg = StoreConfig::with_capacity(free + (1 << 30));
     match Store::create(&unique_name("huge"), &cfg) {
@@ -128,7 +165,10 @@ fn scribbled_table_entry_is_an_error_not_ub() {
     // holding ctl, id[4], offset, len, info); find the victim's line by its id bytes.
     let mut raw = std::fs::read(&c.0).unwrap();
     let needle = id.as_bytes();
-    let at = raw.windows(32).position(|w| w == needle).expect("id in file");
+    let at = raw
+        .windows(32)
+        .position(|w| w == needle)
+        .expect("id in file");
     raw[at + 32..at + 40].copy_from_slice(&u64::MAX.to_le_bytes());
     let mut f = std::fs::OpenOptions::new().write(true).open(&c.0).unwrap();
     f.seek(SeekFrom::Start(at as u64 + 32)).unwrap();

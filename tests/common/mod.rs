@@ -19,7 +19,14 @@ pub struct Proc {
 /// Starts `entry` (an `#[ignore]`d test in the same binary) as a child with `role` and args.
 pub fn spawn(entry: &str, role: &str, args: &[String]) -> Proc {
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", entry, "--nocapture", "--test-threads=1", "-q"])
+        .args([
+            "--ignored",
+            "--exact",
+            entry,
+            "--nocapture",
+            "--test-threads=1",
+            "-q",
+        ])
         .env("SHMSTORE_CHILD", role)
         .env("SHMSTORE_ARGS", args.join("\u{1f}"))
         .stdin(Stdio::piped())
@@ -28,7 +35,11 @@ pub fn spawn(entry: &str, role: &str, args: &[String]) -> Proc {
         .expect("spawn child");
     let stdin = child.stdin.take().unwrap();
     let stdout = BufReader::new(child.stdout.take().unwrap());
-    Proc { child, stdin, stdout }
+    Proc {
+        child,
+        stdin,
+        stdout,
+    }
 }
 
 impl Proc {
@@ -65,7 +76,10 @@ impl Proc {
             if blocked_in_futex(pid) {
                 return;
             }
-            assert!(Instant::now() < deadline, "child {pid} never blocked in futex");
+            assert!(
+                Instant::now() < deadline,
+                "child {pid} never blocked in futex"
+            );
             std::thread::yield_now();
         }
     }
@@ -80,8 +94,11 @@ fn blocked_in_futex(pid: u32) -> bool {
             .ok()
             .and_then(|s| s.split_whitespace().next().map(str::to_owned))
             .is_some_and(|nr| nr == libc::SYS_futex.to_string())
-            && std::fs::read_to_string(t.path().join("stat"))
-                .is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('S')))
+            && std::fs::read_to_string(t.path().join("stat")).is_ok_and(|s| {
+                s.rsplit(')')
+                    .next()
+                    .is_some_and(|r| r.trim_start().starts_with('S'))
+            })
     })
 }
 
@@ -111,12 +128,8 @@ pub fn hear() -> String {
 
 /// A unique store name for this test run.
 pub fn unique_name(tag: &str) -> String {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    format!(
-        "shmstore-test-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    )
+    // Tags are unique per test; the pid separates concurrent test binaries.
+    format!("shmstore-test-{tag}-{}", std::process::id())
 }
 
 /// Removes a named store file when dropped (even if the test fails).

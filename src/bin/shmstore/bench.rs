@@ -12,8 +12,8 @@
 
 use crate::child::ids;
 use crate::ipc::{
-    filler, futex_await, futex_wake, median, now_ns, percentile, spin_until, ControlPage,
-    Ordering, Worker,
+    filler, futex_await, futex_wake, median, now_ns, percentile, spin_until, ControlPage, Ordering,
+    Worker,
 };
 use crate::report::{ns, ratio, Report};
 use shmstore::{Error, ObjectId, Store, StoreConfig};
@@ -116,7 +116,11 @@ pub fn run(opts: &Options) -> Result<(), String> {
     let store_path = store.path().expect("named").to_path_buf();
     let ctl_path = PathBuf::from(format!("/dev/shm/shmstore-bench-{pid}.ctl"));
     let sock_path = std::env::temp_dir().join(format!("shmstore-bench-{pid}.sock"));
-    let _cleanup = Cleanup(vec![store_path.clone(), ctl_path.clone(), sock_path.clone()]);
+    let _cleanup = Cleanup(vec![
+        store_path.clone(),
+        ctl_path.clone(),
+        sock_path.clone(),
+    ]);
     let sp = store_path.display().to_string();
     let mut r = Report::default();
     let progress = |what: &str| {
@@ -150,7 +154,12 @@ pub fn run(opts: &Options) -> Result<(), String> {
     }
     let mut w = spawn_ready(
         "get-hit",
-        &[sp.clone(), "get".into(), plan.get_objects.to_string(), plan.get_reps.to_string()],
+        &[
+            sp.clone(),
+            "get".into(),
+            plan.get_objects.to_string(),
+            plan.get_reps.to_string(),
+        ],
     )?;
     let v = w.recv_numbers()?;
     w.finish();
@@ -166,7 +175,10 @@ pub fn run(opts: &Options) -> Result<(), String> {
 
     // ---- 2. create + write + seal ------------------------------------------------------
     progress("create + write + seal");
-    for (size, key, label) in [(64usize, "create_seal_64_p50_ns", "64 B"), (4096, "create_seal_4k_p50_ns", "4 KiB")] {
+    for (size, key, label) in [
+        (64usize, "create_seal_64_p50_ns", "64 B"),
+        (4096, "create_seal_4k_p50_ns", "4 KiB"),
+    ] {
         let ids = ids(&format!("cs{size}"), plan.create_reps);
         let data = vec![5u8; size];
         let mut t = Vec::with_capacity(ids.len());
@@ -182,7 +194,11 @@ pub fn run(opts: &Options) -> Result<(), String> {
             ns(p50),
             format!("2 socket round trips {}", ns(2.0 * rtt)),
             ratio(p50, 2.0 * rtt),
-            if size == 64 { "-" } else { "<= 1 us (Plasma 85 us)" },
+            if size == 64 {
+                "-"
+            } else {
+                "<= 1 us (Plasma 85 us)"
+            },
         );
     }
 
@@ -193,7 +209,12 @@ pub fn run(opts: &Options) -> Result<(), String> {
         for p in 0..producers {
             ws.push(spawn_ready(
                 "producer",
-                &[sp.clone(), format!("tiny{p}"), plan.tiny_per_producer.to_string(), "64".into()],
+                &[
+                    sp.clone(),
+                    format!("tiny{p}"),
+                    plan.tiny_per_producer.to_string(),
+                    "64".into(),
+                ],
             )?);
         }
         for w in &mut ws {
@@ -244,7 +265,10 @@ pub fn run(opts: &Options) -> Result<(), String> {
     let ours = w.recv_numbers()?;
     w.finish();
     delete_all(&store, &wake_ids);
-    let mut w = spawn_ready("wake-futex", &[ctl_path.display().to_string(), n.to_string()])?;
+    let mut w = spawn_ready(
+        "wake-futex",
+        &[ctl_path.display().to_string(), n.to_string()],
+    )?;
     let (word, ts) = (ctl.word(1), ctl.word64(2));
     for i in 0..plan.pings {
         spin_until(now_ns() + gap);
@@ -254,8 +278,14 @@ pub fn run(opts: &Options) -> Result<(), String> {
     }
     let floor = w.recv_numbers()?;
     w.finish();
-    let (s50, s99) = (r.fig("seal_wake_p50_us", ours[0] / 1e3), r.fig("seal_wake_p99_us", ours[1] / 1e3));
-    let (f50, f99) = (r.fig("futex_wake_p50_us", floor[0] / 1e3), r.fig("futex_wake_p99_us", floor[1] / 1e3));
+    let (s50, s99) = (
+        r.fig("seal_wake_p50_us", ours[0] / 1e3),
+        r.fig("seal_wake_p99_us", ours[1] / 1e3),
+    );
+    let (f50, f99) = (
+        r.fig("futex_wake_p50_us", floor[0] / 1e3),
+        r.fig("futex_wake_p99_us", floor[1] / 1e3),
+    );
     r.row(
         "seal -> wake of a getter asleep in futex, p50 (p99)",
         format!("{s50:.1} us ({s99:.1} us)"),
@@ -282,7 +312,10 @@ pub fn run(opts: &Options) -> Result<(), String> {
     w.finish();
     delete_all(&store, &ping);
     delete_all(&store, &pong);
-    let mut w = spawn_ready("pong-futex", &[ctl_path.display().to_string(), n.to_string()])?;
+    let mut w = spawn_ready(
+        "pong-futex",
+        &[ctl_path.display().to_string(), n.to_string()],
+    )?;
     let word = ctl.word(0);
     let mut floor = Vec::with_capacity(n);
     for i in 0..plan.pings {
@@ -297,12 +330,24 @@ pub fn run(opts: &Options) -> Result<(), String> {
     }
     w.finish();
     let (p50, p99) = (
-        r.fig("pingpong_p50_us", percentile(&mut one_way, 50.0) as f64 / 1e3),
-        r.fig("pingpong_p99_us", percentile(&mut one_way, 99.0) as f64 / 1e3),
+        r.fig(
+            "pingpong_p50_us",
+            percentile(&mut one_way, 50.0) as f64 / 1e3,
+        ),
+        r.fig(
+            "pingpong_p99_us",
+            percentile(&mut one_way, 99.0) as f64 / 1e3,
+        ),
     );
     let (f50, f99) = (
-        r.fig("futex_pingpong_p50_us", percentile(&mut floor, 50.0) as f64 / 1e3),
-        r.fig("futex_pingpong_p99_us", percentile(&mut floor, 99.0) as f64 / 1e3),
+        r.fig(
+            "futex_pingpong_p50_us",
+            percentile(&mut floor, 50.0) as f64 / 1e3,
+        ),
+        r.fig(
+            "futex_pingpong_p99_us",
+            percentile(&mut floor, 99.0) as f64 / 1e3,
+        ),
     );
     r.row(
         "put -> get ping-pong, one way, p50 (p99)",
@@ -361,7 +406,10 @@ pub fn run(opts: &Options) -> Result<(), String> {
         }
         streams.push(s);
     }
-    for (mib, ks, kk) in [(16usize, "e2e_16m_ms", "socket_16m_ms"), (64, "e2e_64m_ms", "socket_64m_ms")] {
+    for (mib, ks, kk) in [
+        (16usize, "e2e_16m_ms", "socket_16m_ms"),
+        (64, "e2e_64m_ms", "socket_64m_ms"),
+    ] {
         let len = mib << 20;
         let (mut shm, mut sock) = (Vec::new(), Vec::new());
         for rep in 0..plan.e2e_reps {
@@ -372,7 +420,10 @@ pub fn run(opts: &Options) -> Result<(), String> {
             for w in &mut workers {
                 w.send(&format!("get {id}"));
             }
-            let sums: Vec<String> = workers.iter_mut().map(|w| w.recv()).collect::<Result<_, _>>()?;
+            let sums: Vec<String> = workers
+                .iter_mut()
+                .map(|w| w.recv())
+                .collect::<Result<_, _>>()?;
             shm.push(t.elapsed().as_secs_f64() * 1e3);
             store.delete(&id).map_err(err)?;
             let t = Instant::now();
@@ -385,10 +436,15 @@ pub fn run(opts: &Options) -> Result<(), String> {
                     sc.spawn(move || s.write_all(d));
                 }
             });
-            let sums2: Vec<String> = workers.iter_mut().map(|w| w.recv()).collect::<Result<_, _>>()?;
+            let sums2: Vec<String> = workers
+                .iter_mut()
+                .map(|w| w.recv())
+                .collect::<Result<_, _>>()?;
             sock.push(t.elapsed().as_secs_f64() * 1e3);
             if sums != sums2 || sums[0] != sums[1] {
-                return Err(format!("workers read different bytes: {sums:?} vs {sums2:?}"));
+                return Err(format!(
+                    "workers read different bytes: {sums:?} vs {sums2:?}"
+                ));
             }
         }
         let (a, b) = (r.fig(ks, median(&mut shm)), r.fig(kk, median(&mut sock)));
@@ -397,7 +453,11 @@ pub fn run(opts: &Options) -> Result<(), String> {
             format!("{a:.2} ms"),
             format!("unix sockets {b:.2} ms"),
             format!("{:.2}x faster", b / a),
-            if mib == 64 { ">= 2x faster (vLLM store 39 ms)" } else { "-" },
+            if mib == 64 {
+                ">= 2x faster (vLLM store 39 ms)"
+            } else {
+                "-"
+            },
         );
     }
     drop(streams);
@@ -408,8 +468,18 @@ pub fn run(opts: &Options) -> Result<(), String> {
     // ---- 7. allocator -----------------------------------------------------------------
     progress("allocator");
     for (size, ko, km, label) in [
-        (64u64, "alloc_free_small_p50_ns", "malloc_free_small_p50_ns", "64 B"),
-        (1 << 20, "alloc_free_large_p50_ns", "malloc_free_large_p50_ns", "1 MiB"),
+        (
+            64u64,
+            "alloc_free_small_p50_ns",
+            "malloc_free_small_p50_ns",
+            "64 B",
+        ),
+        (
+            1 << 20,
+            "alloc_free_large_p50_ns",
+            "malloc_free_large_p50_ns",
+            "1 MiB",
+        ),
     ] {
         let (mut ours, mut libc_t) = (Vec::new(), Vec::new());
         for _ in 0..plan.alloc_reps {
@@ -448,7 +518,11 @@ pub fn run(opts: &Options) -> Result<(), String> {
         let header = format!(
             "shmstore bench{} on {} ({} s)",
             if opts.quick { " --quick" } else { "" },
-            machine.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(", "),
+            machine
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(", "),
             started.elapsed().as_secs()
         );
         print!("{}", r.table(&header));
@@ -480,7 +554,9 @@ fn churn(store: &Store, ops: usize, r: &mut Report) -> Result<(), String> {
                     live.push(id);
                     break;
                 }
-                Err(Error::Full { requested, free, .. }) => {
+                Err(Error::Full {
+                    requested, free, ..
+                }) => {
                     full_events += 1;
                     if free >= requested {
                         frag_failures += 1;
@@ -499,20 +575,40 @@ fn churn(store: &Store, ops: usize, r: &mut Report) -> Result<(), String> {
     r.fig("churn_ops", ops as f64);
     r.fig("churn_full_events", full_events as f64);
     r.fig("churn_frag_failures", frag_failures as f64);
-    let used_frac = r.fig("churn_end_used_fraction", st.used as f64 / st.capacity as f64);
+    let used_frac = r.fig(
+        "churn_end_used_fraction",
+        st.used as f64 / st.capacity as f64,
+    );
     r.fig("churn_end_free_bytes", st.free as f64);
     r.fig("churn_end_largest_free_bytes", st.largest_free as f64);
     let usable = r.fig(
         "churn_end_largest_free_over_free",
-        if st.free == 0 { 1.0 } else { st.largest_free as f64 / st.free as f64 },
+        if st.free == 0 {
+            1.0
+        } else {
+            st.largest_free as f64 / st.free as f64
+        },
     );
     store.check_invariants().map_err(err)?;
     delete_all(store, &live);
     let after = store.stats();
     // The largest object that still fits: try it.
-    let fits = store.raw_alloc(after.capacity).map(|b| store.raw_free(b)).is_ok();
-    let recovered = r.fig("after_churn_usable_fraction", after.largest_free as f64 / after.capacity as f64);
-    r.fig("after_churn_largest_object_bytes", if fits { after.capacity as f64 } else { after.largest_free as f64 });
+    let fits = store
+        .raw_alloc(after.capacity)
+        .map(|b| store.raw_free(b))
+        .is_ok();
+    let recovered = r.fig(
+        "after_churn_usable_fraction",
+        after.largest_free as f64 / after.capacity as f64,
+    );
+    r.fig(
+        "after_churn_largest_object_bytes",
+        if fits {
+            after.capacity as f64
+        } else {
+            after.largest_free as f64
+        },
+    );
     r.row(
         format!("churn {ops} ops, 1 KiB..256 MiB, near full"),
         format!(
@@ -537,12 +633,22 @@ fn churn(store: &Store, ops: usize, r: &mut Report) -> Result<(), String> {
 fn machine() -> Vec<(&'static str, String)> {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_default();
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     vec![
         ("cpu", cpu),
-        ("cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0).to_string()),
+        (
+            "cores",
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(0)
+                .to_string(),
+        ),
         ("kernel", kernel.trim().to_string()),
     ]
 }

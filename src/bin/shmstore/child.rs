@@ -1,7 +1,10 @@
 //! The benchmark's child processes (`shmstore __child ROLE ...`): workers, producers and
 //! echo peers. Each reads commands and writes results as lines on stdin/stdout.
 
-use crate::ipc::{futex_await, futex_await_at_least, futex_wake, now_ns, percentile, touch_all, ControlPage, Ordering};
+use crate::ipc::{
+    futex_await, futex_await_at_least, futex_wake, now_ns, percentile, touch_all, ControlPage,
+    Ordering,
+};
 use shmstore::AttachOptions;
 use shmstore::{ObjectId, Store};
 use std::io::{BufRead, Read, Write};
@@ -29,7 +32,9 @@ fn say(s: impl std::fmt::Display) {
 
 /// Ids `prefix-0 .. prefix-(n-1)`, computed before any timing starts.
 pub fn ids(prefix: &str, n: usize) -> Vec<ObjectId> {
-    (0..n).map(|i| ObjectId::of_key(format!("{prefix}-{i}"))).collect()
+    (0..n)
+        .map(|i| ObjectId::of_key(format!("{prefix}-{i}")))
+        .collect()
 }
 
 pub fn main(args: &[String]) -> ExitCode {
@@ -103,7 +108,10 @@ fn run(args: &[String]) -> Result<(), String> {
         // A getter that is asleep in the futex (no spin) when the seal comes; the payload
         // carries the sealer's CLOCK_MONOTONIC timestamp. Reports one-way p50 and p99 ns.
         "wake-store" => {
-            let opts = AttachOptions { get_spin: Duration::ZERO, ..Default::default() };
+            let opts = AttachOptions {
+                get_spin: Duration::ZERO,
+                ..Default::default()
+            };
             let store = Store::open_with(Path::new(&args[1]), &opts).map_err(|e| e.to_string())?;
             let ids = ids("wake", arg(args, 2)?);
             say("ready");
@@ -114,7 +122,11 @@ fn run(args: &[String]) -> Result<(), String> {
                 let sent = u64::from_le_bytes(v[..8].try_into().map_err(|_| "short payload")?);
                 lat.push(now.saturating_sub(sent));
             }
-            say(format!("{} {}", percentile(&mut lat, 50.0), percentile(&mut lat, 99.0)));
+            say(format!(
+                "{} {}",
+                percentile(&mut lat, 50.0),
+                percentile(&mut lat, 99.0)
+            ));
         }
         // The same shape on a bare futex word: the floor for the measurement above.
         "wake-futex" => {
@@ -132,7 +144,11 @@ fn run(args: &[String]) -> Result<(), String> {
                 }
                 i = got;
             }
-            say(format!("{} {}", percentile(&mut lat, 50.0), percentile(&mut lat, 99.0)));
+            say(format!(
+                "{} {}",
+                percentile(&mut lat, 50.0),
+                percentile(&mut lat, 99.0)
+            ));
         }
         // The worker half of the bare futex ping-pong (the floor).
         "pong-futex" => {
@@ -176,7 +192,10 @@ fn run(args: &[String]) -> Result<(), String> {
                         say(format!("done {sum}"));
                     }
                     Some("connect") => {
-                        sock = Some(UnixStream::connect(parts.next().ok_or("path")?).map_err(|e| e.to_string())?);
+                        sock = Some(
+                            UnixStream::connect(parts.next().ok_or("path")?)
+                                .map_err(|e| e.to_string())?,
+                        );
                         say("connected");
                     }
                     Some("recv") => {

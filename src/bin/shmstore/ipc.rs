@@ -30,7 +30,11 @@ impl Worker {
             .spawn()?;
         let stdin = child.stdin.take().expect("piped");
         let stdout = BufReader::new(child.stdout.take().expect("piped"));
-        Ok(Worker { child, stdin, stdout })
+        Ok(Worker {
+            child,
+            stdin,
+            stdout,
+        })
     }
 
     /// Sends a line.
@@ -98,7 +102,10 @@ impl ControlPage {
 
     /// Opens the page created by the parent.
     pub fn open(path: &Path) -> std::io::Result<ControlPage> {
-        let f = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)?;
         Ok(ControlPage {
             map: memmap2::MmapRaw::map_raw(&f)?,
             path: path.to_path_buf(),
@@ -232,7 +239,10 @@ pub fn filler(seed: u64, len: usize) -> Vec<u8> {
 /// CLOCK_MONOTONIC in ns: one clock for every process on the machine, so a timestamp taken
 /// in one process can be subtracted from one taken in another.
 pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64

@@ -33,7 +33,14 @@ impl Report {
         value
     }
 
-    pub fn row(&mut self, what: impl Into<String>, ours: String, beside: String, ratio: String, target: &str) {
+    pub fn row(
+        &mut self,
+        what: impl Into<String>,
+        ours: String,
+        beside: String,
+        ratio: String,
+        target: &str,
+    ) {
         self.rows.push(Row {
             what: what.into(),
             ours,
@@ -44,7 +51,13 @@ impl Report {
     }
 
     pub fn table(&self, header: &str) -> String {
-        let cols = ["what", "shmstore", "floor / peer, same run", "ratio", "target"];
+        let cols = [
+            "what",
+            "shmstore",
+            "floor / peer, same run",
+            "ratio",
+            "target",
+        ];
         let cells: Vec<[&str; 5]> = self
             .rows
             .iter()
@@ -62,18 +75,26 @@ impl Report {
             let _ = writeln!(
                 out,
                 "| {:<a$} | {:>b$} | {:<c$} | {:>d$} | {:<e$} |",
-                row[0], row[1], row[2], row[3], row[4],
-                a = w[0], b = w[1], c = w[2], d = w[3], e = w[4]
+                row[0],
+                row[1],
+                row[2],
+                row[3],
+                row[4],
+                a = w[0],
+                b = w[1],
+                c = w[2],
+                d = w[3],
+                e = w[4]
             );
         };
         line(&mut out, &cols);
         let _ = writeln!(
             out,
-            "|{}|{}|{}|{}|{}|",
+            "|{}|{}:|{}|{}:|{}|",
             "-".repeat(w[0] + 2),
-            format!("{}:", "-".repeat(w[1] + 1)),
+            "-".repeat(w[1] + 1),
             "-".repeat(w[2] + 2),
-            format!("{}:", "-".repeat(w[3] + 1)),
+            "-".repeat(w[3] + 1),
             "-".repeat(w[4] + 2)
         );
         for r in &cells {
@@ -88,11 +109,19 @@ impl Report {
     pub fn json(&self, machine: &[(&str, String)]) -> String {
         let mut out = String::from("{");
         for (k, v) in machine {
-            let _ = write!(out, "\"{k}\":\"{}\",", v.replace('\\', "\\\\").replace('"', "\\\""));
+            let _ = write!(
+                out,
+                "\"{k}\":\"{}\",",
+                v.replace('\\', "\\\\").replace('"', "\\\"")
+            );
         }
         for (i, f) in self.figures.iter().enumerate() {
             let sep = if i + 1 == self.figures.len() { "" } else { "," };
-            let v = if f.value.is_finite() { format!("{}", round(f.value)) } else { "null".into() };
+            let v = if f.value.is_finite() {
+                format!("{}", round(f.value))
+            } else {
+                "null".into()
+            };
             let _ = write!(out, "\"{}\":{v}{sep}", f.key);
         }
         out.push('}');
