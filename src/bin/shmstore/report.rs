@@ -148,10 +148,12 @@ pub fn ns(v: f64) -> String {
     }
 }
 
-/// "x.xx x" ratio text.
+/// Ratio text: "0.96x", or "1/404" when ours is a small fraction of the floor.
 pub fn ratio(a: f64, b: f64) -> String {
-    if b == 0.0 {
+    if b == 0.0 || a == 0.0 {
         "-".into()
+    } else if a / b < 0.1 {
+        format!("1/{:.0}", b / a)
     } else {
         format!("{:.2}x", a / b)
     }
