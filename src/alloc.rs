@@ -286,7 +286,9 @@ impl<'a> Allocator<'a> {
             loop {
                 if cur & mask != 0 {
                     let taken = (w as u64) * 64 + (cur & mask).trailing_zeros() as u64;
-                    self.release_range(first, p);
+                    if !cfg!(shmstore_mutation = "no_rollback") {
+                        self.release_range(first, p);
+                    }
                     return Err(taken);
                 }
                 match self.pages[w].compare_exchange_weak(

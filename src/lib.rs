@@ -36,20 +36,30 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 #![cfg(target_os = "linux")]
+// Under loom only the protocol modules are built (over heap sections); the mapping and the
+// public API need real memory.
+#![cfg_attr(loom, allow(dead_code, unused_imports))]
 
 mod alloc;
 mod client;
 mod error;
 mod id;
 mod layout;
+#[cfg(all(test, loom))]
+mod loom_models;
+#[cfg(not(loom))]
 mod region;
+#[cfg(not(loom))]
 mod store;
 pub(crate) mod sync;
 mod table;
 
 pub use error::{Error, Result};
 pub use id::{ObjectId, ParseObjectIdError};
+#[cfg(not(loom))]
 pub use region::HugePages;
+#[cfg(not(loom))]
 #[doc(hidden)]
 pub use store::RawBlock;
+#[cfg(not(loom))]
 pub use store::{AttachOptions, Creation, Stats, Store, StoreConfig, View, DEFAULT_GET_SPIN};

@@ -101,6 +101,35 @@ atomic_newtype!(AtomicU32, std::sync::atomic::AtomicU32, u32);
 #[cfg(not(loom))]
 atomic_newtype!(AtomicU64, std::sync::atomic::AtomicU64, u64);
 
+/// `UnsafeCell` with loom's closure API (`with`, `with_mut`), so that loom can check every
+/// access for data races. Protocol code that hands out plain memory (payload bytes) is
+/// modelled with it in the loom models.
+#[cfg(loom)]
+#[allow(unused_imports)]
+pub(crate) use loom::cell::UnsafeCell;
+
+/// Std twin of loom's `UnsafeCell`.
+#[cfg(not(loom))]
+#[derive(Debug, Default)]
+#[allow(dead_code)]
+pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+#[cfg(not(loom))]
+#[allow(dead_code)]
+impl<T> UnsafeCell<T> {
+    pub(crate) const fn new(v: T) -> Self {
+        Self(std::cell::UnsafeCell::new(v))
+    }
+    /// Calls `f` with a shared raw pointer to the value.
+    pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+        f(self.0.get())
+    }
+    /// Calls `f` with a unique raw pointer to the value.
+    pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+        f(self.0.get())
+    }
+}
+
 /// Back off inside a CAS retry loop (a pause instruction; a yield under loom).
 #[inline]
 pub(crate) fn spin_hint() {

@@ -361,11 +361,13 @@ impl<'a> Table<'a> {
 
     /// Returns a slot whose block has been freed to FREE at the next generation.
     pub(crate) fn release(&self, r: SlotRef) {
+        let next = if cfg!(shmstore_mutation = "no_gen_bump") {
+            r.gen // deliberate bug, for docs/verification.md
+        } else {
+            r.gen.wrapping_add(1)
+        };
         if let Ok(s) = self.slot_checked(r) {
-            s.ctl.store(
-                Ctl::new(FREE, 0, r.gen.wrapping_add(1)).0,
-                Ordering::Release,
-            );
+            s.ctl.store(Ctl::new(FREE, 0, next).0, Ordering::Release);
         }
     }
 
@@ -377,11 +379,16 @@ impl<'a> Table<'a> {
             return Err(corrupted(format!("seal of slot {} in {c:?}", r.index)));
         }
         // Release: every payload byte written before this store is visible to whoever pins.
+        let publish = if cfg!(shmstore_mutation = "seal_relaxed") {
+            Ordering::Relaxed // deliberate bug, for docs/verification.md
+        } else {
+            Ordering::Release
+        };
         s.ctl
             .compare_exchange(
                 c.0,
                 Ctl::new(SEALED, c.pins(), c.gen()).0,
-                Ordering::Release,
+                publish,
                 Ordering::Relaxed,
             )
             .map_err(|now| {
@@ -404,7 +411,12 @@ impl<'a> Table<'a> {
             if c.gen() != r.gen || c.state() != expect {
                 return Ok(false);
             }
-            let n = Ctl::new(DELETED, c.pins() + 1, c.gen());
+            let extra = if cfg!(shmstore_mutation = "delete_without_ref") {
+                0
+            } else {
+                1
+            };
+            let n = Ctl::new(DELETED, c.pins() + extra, c.gen());
             match s
                 .ctl
                 .compare_exchange_weak(c.0, n.0, Ordering::AcqRel, Ordering::Relaxed)
@@ -475,10 +487,17 @@ impl<'a> Table<'a> {
     }
 
     /// Wakes getters sleeping on `id`'s bucket (no syscall when nobody sleeps).
+    ///
+    /// Both sides of the sleeper/waker handshake use read-modify-writes (`seq += 1` then
+    /// `waiters += 0` here; `waiters += 1` then `seq += 0` in [`pin_wait`](Self::pin_wait)).
+    /// An RMW always reads the latest value of its location, so whichever of the two `seq`
+    /// RMWs comes second synchronises with the first: either the waker sees the waiter
+    /// registered, or the waiter sees the new `seq` (and the seal before it). This needs
+    /// only acquire/release, which loom models exactly (it treats SeqCst as AcqRel).
     pub(crate) fn notify(&self, id: &ObjectId) {
         let wb = self.wait_bucket(id);
-        wb.seq.fetch_add(1, Ordering::SeqCst);
-        if wb.waiters.load(Ordering::SeqCst) != 0 {
+        wb.seq.fetch_add(1, Ordering::AcqRel);
+        if wb.waiters.fetch_add(0, Ordering::AcqRel) != 0 {
             futex::wake_all(&wb.seq);
         }
     }
@@ -524,10 +543,20 @@ impl<'a> Table<'a> {
                 }
             }
         }
-        wb.waiters.fetch_add(1, Ordering::SeqCst);
+        wb.waiters.fetch_add(1, Ordering::AcqRel);
         let result = loop {
-            let seq = wb.seq.load(Ordering::SeqCst);
-            match self.pin(id) {
+            // Read the futex word *before* the re-check: a seal after this read changes it,
+            // so the wait below returns at once instead of missing the wake.
+            let mut seq = 0;
+            if !cfg!(shmstore_mutation = "lost_wakeup") {
+                seq = wb.seq.fetch_add(0, Ordering::AcqRel);
+            }
+            let found = self.pin(id);
+            if cfg!(shmstore_mutation = "lost_wakeup") {
+                // Deliberate bug, for docs/verification.md: re-check before reading the word.
+                seq = wb.seq.fetch_add(0, Ordering::AcqRel);
+            }
+            match found {
                 Ok(Pin::Pinned(r, e)) => break Ok(Pin::Pinned(r, e)),
                 Err(e) => break Err(e),
                 Ok(other) => {
@@ -539,7 +568,7 @@ impl<'a> Table<'a> {
                 }
             }
         };
-        wb.waiters.fetch_sub(1, Ordering::SeqCst);
+        wb.waiters.fetch_sub(1, Ordering::AcqRel);
         result
     }
 

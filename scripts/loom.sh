@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Loom models of the lock-free protocols (src/loom_models.rs).
+#
+#   scripts/loom.sh               all models, LOOM_MAX_PREEMPTIONS=2 (what CI runs)
+#   scripts/loom.sh 3             the deeper run
+#   scripts/loom.sh --mutations   build each deliberate bug and check that its model fails
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export LOOM_MAX_PREEMPTIONS=${LOOM_MAX_PREEMPTIONS:-2}
+# A separate target dir keeps loom builds from invalidating the normal ones.
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/loom}
+
+if [ "${1:-}" != "--mutations" ]; then
+  [ -n "${1:-}" ] && export LOOM_MAX_PREEMPTIONS=$1
+  echo "loom: LOOM_MAX_PREEMPTIONS=$LOOM_MAX_PREEMPTIONS"
+  RUSTFLAGS="--cfg loom" cargo test --release --lib loom_ -- --test-threads=2
+  exit 0
+fi
+
+# mutation -> the model that must catch it
+mutations=(
+  "seal_relaxed:loom_seal_wakes_blocked_get_and_publishes_payload"
+  "lost_wakeup:loom_seal_wakes_blocked_get_and_publishes_payload"
+  "no_gen_bump:loom_lookup_races_delete_and_reuse"
+  "no_rollback:loom_page_runs_claim_and_roll_back"
+  "delete_without_ref:loom_pin_races_delete_frees_once"
+)
+failed=0
+for m in "${mutations[@]}"; do
+  name=${m%%:*}; model=${m#*:}
+  if RUSTFLAGS="--cfg loom --cfg shmstore_mutation=\"$name\"" \
+      cargo test --release --lib "$model" -- --exact "loom_models::$model" >/tmp/loom-mutation-$name.log 2>&1; then
+    echo "MUTATION NOT CAUGHT: $name passed $model (log: /tmp/loom-mutation-$name.log)"
+    failed=1
+  else
+    why=$(grep -m1 -A1 "panicked at" /tmp/loom-mutation-$name.log | tail -1 | cut -c1-120 || true)
+    echo "caught: $name by $model (${why:-failed})"
+  fi
+done
+exit $failed
