@@ -195,16 +195,19 @@ impl<'a> Allocator<'a> {
                 max: self.max_object(),
             });
         }
+        let pages = || {
+            let n = size.div_ceil(PAGE);
+            self.alloc_pages(n, 1).map(|p| Block {
+                offset: p * PAGE,
+                size: n * PAGE,
+                kind: BlockKind::Pages,
+            })
+        };
+        // A small request whose class has no room and no free 64 KiB-aligned unit for a
+        // new slab falls back to a page run: `Full` only when no run can hold it at all.
         let attempt = || match class_of(size) {
-            Some(c) => self.alloc_small(c),
-            None => {
-                let n = size.div_ceil(PAGE);
-                Ok(self.alloc_pages(n, 1).map(|p| Block {
-                    offset: p * PAGE,
-                    size: n * PAGE,
-                    kind: BlockKind::Pages,
-                }))
-            }
+            Some(c) => Ok(self.alloc_small(c)?.or_else(pages)),
+            None => Ok(pages()),
         };
         let mut got = attempt()?;
         if got.is_none() && self.flush_idle_slabs() {

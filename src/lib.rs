@@ -53,6 +53,9 @@ mod region;
 mod store;
 pub(crate) mod sync;
 mod table;
+#[cfg(not(loom))]
+#[doc(hidden)]
+pub mod testing;
 
 pub use error::{Error, Result};
 pub use id::{ObjectId, ParseObjectIdError};

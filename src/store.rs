@@ -338,40 +338,25 @@ impl Inner {
 
     /// Checks an entry read from shared memory and turns it into a block and pointers.
     fn resolve(&self, e: &Entry) -> Result<Resolved> {
-        let bad = || Error::Corrupted {
-            what: format!("table entry {e:?} does not describe a block in the heap"),
-        };
-        let kind = BlockKind::decode(e.kind).ok_or_else(bad)?;
-        if e.meta_len as u64 > MAX_META || e.offset % 64 != 0 {
-            return Err(bad());
-        }
-        let meta_pad = pad64(e.meta_len as u64);
-        let need = meta_pad.checked_add(e.len).ok_or_else(bad)?.max(1);
-        let size = match kind {
-            BlockKind::Pages => need.div_ceil(PAGE) * PAGE,
-            BlockKind::Slab(c) => CLASS_SIZES[c as usize],
-        };
-        if need > size
-            || e.offset
-                .checked_add(size)
-                .is_none_or(|end| end > self.sb.heap_size)
-        {
-            return Err(bad());
-        }
-        // SAFETY: offset + size <= heap_size (checked), so both pointers stay in the heap.
+        let (block, meta_pad) = check_entry(e, self.sb.heap_size)?;
+        // SAFETY: offset + size <= heap_size (checked by check_entry), so both pointers
+        // stay inside the heap.
         let (meta, data) = unsafe {
             let m = self.heap.add(e.offset as usize);
             (m, m.add(meta_pad as usize))
         };
-        Ok(Resolved {
-            block: Block {
-                offset: e.offset,
-                size,
-                kind,
-            },
-            meta,
-            data,
-        })
+        Ok(Resolved { block, meta, data })
+    }
+
+    /// Test hook: overwrites metadata bytes (before the heap) of the region. Only for the
+    /// hostile-region fuzz target, which owns the store and runs single-threaded.
+    fn scribble_metadata(&self, offset: u64, bytes: &[u8]) {
+        let end = self.sb.heap_offset as usize;
+        let at = (offset as usize) % end;
+        let n = bytes.len().min(end - at);
+        // SAFETY: `at + n <= heap_offset <= mapping length`; no other thread or process
+        // touches this store while the fuzz target runs (a plain write cannot race).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.base().add(at), n) };
     }
 
     /// Frees the block of a fully released entry and returns its slot.
@@ -382,6 +367,40 @@ impl Inner {
         self.table().release(r);
         freed
     }
+}
+
+/// Validates an entry read from shared memory against a heap of `heap_size` bytes and
+/// returns its block and the padded metadata length. Pure arithmetic, all checked.
+fn check_entry(e: &Entry, heap_size: u64) -> Result<(Block, u64)> {
+    let bad = || Error::Corrupted {
+        what: format!("table entry {e:?} does not describe a block in the heap"),
+    };
+    let kind = BlockKind::decode(e.kind).ok_or_else(bad)?;
+    if e.meta_len as u64 > MAX_META || e.offset % 64 != 0 {
+        return Err(bad());
+    }
+    let meta_pad = pad64(e.meta_len as u64);
+    let need = meta_pad.checked_add(e.len).ok_or_else(bad)?.max(1);
+    let size = match kind {
+        BlockKind::Pages => need.div_ceil(PAGE).checked_mul(PAGE).ok_or_else(bad)?,
+        BlockKind::Slab(c) => CLASS_SIZES[c as usize],
+    };
+    if need > size || e.offset.checked_add(size).is_none_or(|end| end > heap_size) {
+        return Err(bad());
+    }
+    Ok((
+        Block {
+            offset: e.offset,
+            size,
+            kind,
+        },
+        meta_pad,
+    ))
+}
+
+/// Fuzz hook: runs [`check_entry`] on raw slot words.
+pub(crate) fn resolve_untrusted(offset: u64, len: u64, info: u64) {
+    let _ = check_entry(&Entry::from_parts(offset, len, info), 1 << 30);
 }
 
 struct Resolved {
@@ -635,6 +654,11 @@ impl Store {
             });
         }
         let inner = &self.inner;
+        // Cheap early answer (the insert below re-checks atomically): an existing id is
+        // AlreadyExists even when the store is full.
+        if inner.table().contains_live(id) {
+            return Err(Error::AlreadyExists { id: *id });
+        }
         let need = pad64(meta.len() as u64)
             .checked_add(len)
             .ok_or(Error::TooLarge {
@@ -958,6 +982,11 @@ impl Store {
 pub struct RawBlock(Block);
 
 impl Store {
+    /// Test hook for the hostile-region fuzz target; see [`crate::testing`].
+    pub(crate) fn scribble_metadata(&self, offset: u64, bytes: &[u8]) {
+        self.inner.scribble_metadata(offset, bytes)
+    }
+
     /// Allocates a raw block with no table entry. For the allocator benchmark only: the
     /// block is not attributed to any object; free it with [`Store::raw_free`].
     #[doc(hidden)]

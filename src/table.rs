@@ -105,7 +105,7 @@ impl Entry {
     fn info(&self) -> u64 {
         self.meta_len as u64 | (self.kind as u64) << 16 | (self.creator as u64) << 24
     }
-    fn from_parts(offset: u64, len: u64, info: u64) -> Self {
+    pub(crate) fn from_parts(offset: u64, len: u64, info: u64) -> Self {
         Entry {
             offset,
             len,
@@ -321,6 +321,13 @@ impl<'a> Table<'a> {
                 Err(now) => c = Ctl(now),
             }
         }
+    }
+
+    /// Is `id` present, sealed or being created?
+    pub(crate) fn contains_live(&self, id: &ObjectId) -> bool {
+        let home = self.home(id);
+        let b = self.buckets[home as usize].load(Ordering::Acquire);
+        self.find_in(home, b, &id.words()).is_some()
     }
 
     /// Is `id` present and sealed?

@@ -1,0 +1,422 @@
+//! Model-based checking, shared by the property tests (`tests/model.rs`), the fuzz targets
+//! (`fuzz/fuzz_targets/`) and their regression tests: one [`Op`] type, one model, one
+//! [`Harness::apply`] that runs an op on a real store and checks it against the model.
+//!
+//! Not part of the stable API (hidden from the docs); public only so that the fuzz crate
+//! and integration tests can drive it.
+//!
+//! ```
+//! use shmstore::testing::{Harness, Op};
+//! let mut h = Harness::new();
+//! h.apply(&Op::Put { key: 1, len: 100, fill: 7 }).unwrap();
+//! h.apply(&Op::Get { key: 1 }).unwrap();
+//! h.apply(&Op::Delete { key: 1 }).unwrap();
+//! ```
+
+use crate::{Creation, Error, ObjectId, Store, StoreConfig, View};
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+/// Distinct ids the ops use (small, so that ops collide often).
+pub const KEYS: u8 = 8;
+/// Views and creations the harness keeps alive at most.
+pub const MAX_HANDLES: usize = 12;
+/// Capacity of the harness's store: small, so that `Full` is common.
+pub const CAPACITY: u64 = 256 << 10;
+
+/// One step of a random workload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub enum Op {
+    /// Start creating `key` with `len` bytes (kept open as a handle).
+    Create { key: u8, len: u16, fill: u8 },
+    /// Write and seal an open creation.
+    Seal { handle: u8 },
+    /// Abort an open creation.
+    Abort { handle: u8 },
+    /// Create, write and seal in one call.
+    Put { key: u8, len: u16, fill: u8 },
+    /// `try_get`, keeping the view.
+    Get { key: u8 },
+    /// `get` with a zero timeout, keeping the view.
+    GetZeroTimeout { key: u8 },
+    /// Another pin of a held view.
+    CloneView { view: u8 },
+    /// Drop a held view.
+    DropView { view: u8 },
+    /// Delete `key`.
+    Delete { key: u8 },
+    /// `contains(key)`.
+    Contains { key: u8 },
+}
+
+fn id(key: u8) -> ObjectId {
+    ObjectId::of_key([key % KEYS])
+}
+
+fn content(len: u16, fill: u8) -> Vec<u8> {
+    (0..len as usize).map(|i| fill ^ (i as u8)).collect()
+}
+
+/// A store plus the model it must agree with.
+pub struct Harness {
+    store: Store,
+    creations: Vec<(u8, Creation, Vec<u8>)>,
+    views: Vec<(View, Vec<u8>)>,
+    sealed: BTreeMap<u8, Vec<u8>>,
+    creating: BTreeSet<u8>,
+}
+
+impl Default for Harness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Harness {
+    /// A fresh anonymous store of [`CAPACITY`] bytes.
+    pub fn new() -> Self {
+        let cfg = StoreConfig {
+            max_objects: 32,
+            max_clients: 4,
+            holds_per_client: 64,
+            prefault: false,
+            ..StoreConfig::with_capacity(CAPACITY)
+        };
+        Harness {
+            store: Store::create_anonymous(&cfg).expect("anonymous store"),
+            creations: Vec::new(),
+            views: Vec::new(),
+            sealed: BTreeMap::new(),
+            creating: BTreeSet::new(),
+        }
+    }
+
+    /// The store under test.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn exists(&self, key: u8) -> bool {
+        self.sealed.contains_key(&key) || self.creating.contains(&key)
+    }
+
+    /// `Full` is right only if no free run could hold the request.
+    fn check_full(&self, err: &Error) -> Result<(), String> {
+        match err {
+            Error::Full {
+                requested,
+                largest_free,
+                ..
+            } => {
+                let need = requested.div_ceil(crate::layout::PAGE) * crate::layout::PAGE;
+                if *largest_free >= need {
+                    return Err(format!(
+                        "Full although a {largest_free}-byte run is free: {err}"
+                    ));
+                }
+                Ok(())
+            }
+            other => Err(format!("unexpected error {other:?}")),
+        }
+    }
+
+    fn keep_view(&mut self, v: View, expect: Vec<u8>) {
+        if self.views.len() < MAX_HANDLES {
+            self.views.push((v, expect));
+        }
+    }
+
+    /// Runs `op` on the store, compares the outcome with the model, then checks every
+    /// invariant. An `Err` describes the first disagreement.
+    pub fn apply(&mut self, op: &Op) -> Result<(), String> {
+        self.step(op).map_err(|e| format!("{op:?}: {e}"))?;
+        self.check().map_err(|e| format!("after {op:?}: {e}"))
+    }
+
+    fn step(&mut self, op: &Op) -> Result<(), String> {
+        let s = self.store.clone();
+        match *op {
+            Op::Create { key, len, fill } | Op::Put { key, len, fill } => {
+                let key = key % KEYS;
+                let exists = self.exists(key);
+                let is_put = matches!(op, Op::Put { .. });
+                if !is_put && self.creations.len() >= MAX_HANDLES {
+                    return Ok(());
+                }
+                let data = content(len, fill);
+                let r = if is_put {
+                    s.put(&id(key), &data).map(|()| None)
+                } else {
+                    s.create_object(&id(key), len as u64).map(Some)
+                };
+                match (r, exists) {
+                    (Err(Error::AlreadyExists { .. }), true) => {}
+                    (Err(e), true) => return Err(format!("expected AlreadyExists, got {e:?}")),
+                    (Ok(_), true) => return Err("created an id that exists".into()),
+                    (Err(e), false) => self.check_full(&e)?,
+                    (Ok(None), false) => {
+                        self.sealed.insert(key, data);
+                    }
+                    (Ok(Some(c)), false) => {
+                        self.creating.insert(key);
+                        self.creations.push((key, c, data));
+                    }
+                }
+            }
+            Op::Seal { handle } | Op::Abort { handle } => {
+                if self.creations.is_empty() {
+                    return Ok(());
+                }
+                let (key, mut c, data) = self
+                    .creations
+                    .remove(handle as usize % self.creations.len());
+                self.creating.remove(&key);
+                if matches!(op, Op::Seal { .. }) {
+                    c.copy_from_slice(&data);
+                    c.seal().map_err(|e| format!("seal: {e:?}"))?;
+                    self.sealed.insert(key, data);
+                } else {
+                    c.abort();
+                }
+            }
+            Op::Get { key } | Op::GetZeroTimeout { key } => {
+                let key = key % KEYS;
+                let r = if matches!(op, Op::Get { .. }) {
+                    s.try_get(&id(key))
+                } else {
+                    s.get(&id(key), Duration::ZERO)
+                };
+                match (r, self.sealed.get(&key)) {
+                    (Ok(v), Some(want)) => {
+                        if &v[..] != want.as_slice() {
+                            return Err("view bytes differ from what was sealed".into());
+                        }
+                        let want = want.clone();
+                        self.keep_view(v, want);
+                    }
+                    (Ok(_), None) => return Err("got an object that is not sealed".into()),
+                    (Err(Error::NotFound { .. }), None) if matches!(op, Op::Get { .. }) => {}
+                    (Err(Error::Timeout { .. }), None)
+                        if matches!(op, Op::GetZeroTimeout { .. }) => {}
+                    (Err(e), _) => return Err(format!("get: {e:?}")),
+                }
+            }
+            Op::CloneView { view } => {
+                if self.views.is_empty() {
+                    return Ok(());
+                }
+                let k = view as usize % self.views.len();
+                let v = self.views[k]
+                    .0
+                    .try_clone()
+                    .map_err(|e| format!("try_clone: {e:?}"))?;
+                let want = self.views[k].1.clone();
+                self.keep_view(v, want);
+            }
+            Op::DropView { view } => {
+                if !self.views.is_empty() {
+                    let k = view as usize % self.views.len();
+                    self.views.remove(k);
+                }
+            }
+            Op::Delete { key } => {
+                let key = key % KEYS;
+                match (
+                    s.delete(&id(key)),
+                    self.sealed.contains_key(&key),
+                    self.creating.contains(&key),
+                ) {
+                    (Ok(()), true, _) => {
+                        self.sealed.remove(&key);
+                    }
+                    (Err(Error::NotSealed { .. }), false, true) => {}
+                    (Err(Error::NotFound { .. }), false, false) => {}
+                    (r, sealed, creating) => {
+                        return Err(format!(
+                            "delete gave {r:?} (sealed {sealed}, creating {creating})"
+                        ))
+                    }
+                }
+            }
+            Op::Contains { key } => {
+                let key = key % KEYS;
+                if s.contains(&id(key)) != self.sealed.contains_key(&key) {
+                    return Err("contains disagrees with the model".into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every invariant: held views unchanged (even after their object was deleted), the
+    /// allocator and table consistent (`check_invariants`), and stats equal to the model.
+    pub fn check(&self) -> Result<(), String> {
+        for (v, want) in &self.views {
+            if &v[..] != want.as_slice() {
+                return Err(format!("a pinned view of {} changed", v.id()));
+            }
+        }
+        self.store
+            .check_invariants()
+            .map_err(|e| format!("invariants: {e}"))?;
+        let st = self.store.stats();
+        if st.used + st.free != st.capacity {
+            return Err(format!("used + free != capacity: {st:?}"));
+        }
+        let want = (
+            self.sealed.len() as u64,
+            self.creating.len() as u64,
+            self.views.len() as u64,
+        );
+        if (st.objects, st.creating, st.pins) != want {
+            return Err(format!(
+                "stats {st:?} disagree with model (objects, creating, pins) = {want:?}"
+            ));
+        }
+        let live: u64 = self
+            .sealed
+            .values()
+            .chain(self.creations.iter().map(|c| &c.2))
+            .map(|d| d.len() as u64)
+            .sum();
+        if st.used < live {
+            return Err(format!("used {} < live payload {live}", st.used));
+        }
+        Ok(())
+    }
+
+    /// Drops every handle and deletes every object; the store must then be empty.
+    pub fn drain(&mut self) -> Result<(), String> {
+        self.views.clear();
+        self.creations.clear();
+        self.creating.clear();
+        for key in std::mem::take(&mut self.sealed).into_keys() {
+            self.store
+                .delete(&id(key))
+                .map_err(|e| format!("drain: {e:?}"))?;
+        }
+        self.check()?;
+        let st = self.store.stats();
+        if st.used != 0 || st.largest_free != st.capacity {
+            return Err(format!("memory stranded after draining: {st:?}"));
+        }
+        Ok(())
+    }
+}
+
+/// Opens `bytes` as if it were a store file (through a memfd). Returns whether it opened;
+/// it must never crash, and a store that opens must keep working.
+pub fn open_bytes(bytes: &[u8]) -> bool {
+    use std::io::Write;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: plain memfd_create with a static name.
+    let fd = unsafe { libc::memfd_create(c"shmstore-fuzz".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: fresh descriptor, owned only here.
+    let mut f = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    if f.write_all(bytes).is_err() {
+        return false;
+    }
+    let path = format!("/proc/self/fd/{}", f.as_raw_fd());
+    let opts = crate::AttachOptions {
+        prefault: false,
+        ..Default::default()
+    };
+    match Store::open_with(&path, &opts) {
+        Ok(s) => {
+            exercise(&s);
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+/// A valid superblock for the harness's geometry, with `patch` applied at `offset` and the
+/// checksum recomputed, followed by `file_len` bytes of zeros in total: gets past the
+/// checksum so that the layout validation itself is exercised.
+pub fn forged_store_bytes(offset: u8, patch: &[u8], file_len: u32) -> Vec<u8> {
+    let params = crate::layout::Params {
+        heap_size: 64 << 10,
+        table_slots: 32,
+        max_clients: 2,
+        holds_per_client: 64,
+    };
+    let mut sb = params.layout().expect("valid params");
+    let mut raw = bytemuck::bytes_of(&sb).to_vec();
+    let at = (offset as usize).min(248);
+    let n = patch.len().min(248 - at);
+    raw[at..at + n].copy_from_slice(&patch[..n]);
+    sb = bytemuck::pod_read_unaligned(&raw);
+    sb.checksum = sb.compute_checksum();
+    let mut out = bytemuck::bytes_of(&sb).to_vec();
+    out.resize((file_len as usize).clamp(256, 4 << 20), 0);
+    out
+}
+
+/// Overwrites bytes of a live store's metadata (everything before the heap) and then runs
+/// operations on it: they must fail with errors or work, never crash or hang.
+pub fn scribble_and_exercise(writes: &[(u32, Vec<u8>)]) {
+    let h = Harness::new();
+    let s = h.store().clone();
+    for k in 0..6u8 {
+        let _ = s.put(&id(k), &content(1000 * k as u16 + 1, k));
+    }
+    let held = s.try_get(&id(1)).ok();
+    for (offset, bytes) in writes {
+        s.scribble_metadata(*offset as u64, bytes);
+    }
+    exercise(&s);
+    drop(held);
+    let _ = s.check_invariants();
+    let _ = s.stats();
+}
+
+/// A fixed burst of every operation, ignoring results.
+fn exercise(s: &Store) {
+    let _ = s.stats();
+    let _ = s.check_invariants();
+    for k in 0..KEYS {
+        let _ = s.contains(&id(k));
+        if let Ok(v) = s.try_get(&id(k)) {
+            let _ = v.iter().fold(0u8, |a, b| a ^ b);
+            let _ = v.meta().len();
+        }
+        let _ = s.get(&id(k), Duration::ZERO);
+        let _ = s.put(&id(k + KEYS), &content(3000, k));
+        if let Ok(mut c) = s.create_object(&id(k + 2 * KEYS), 100) {
+            c.fill(k);
+            if k % 2 == 0 {
+                let _ = c.seal();
+            }
+        }
+        let _ = s.delete(&id(k));
+        let _ = s.delete(&id(k + KEYS));
+    }
+}
+
+/// Feeds `bytes` to every decoder of values read from shared memory.
+pub fn decode_everything(bytes: &[u8]) {
+    let word = |i: usize| {
+        let mut w = [0u8; 8];
+        for (k, b) in w.iter_mut().enumerate() {
+            *b = bytes.get(i * 8 + k).copied().unwrap_or(0);
+        }
+        u64::from_le_bytes(w)
+    };
+    let _ = crate::client::decode_hold(word(0));
+    let _ = crate::alloc::BlockKind::decode(bytes.first().copied().unwrap_or(0));
+    let _ = crate::table::Ctl(word(1)).pins();
+    let _ = crate::layout::Superblock::validate(
+        bytes,
+        bytes.len() as u64,
+        std::path::Path::new("fuzz"),
+    );
+    let _ = crate::layout::Superblock::validate(bytes, word(2), std::path::Path::new("fuzz"));
+    if let Ok(s) = std::str::from_utf8(bytes) {
+        let _ = s.parse::<ObjectId>();
+    }
+    crate::store::resolve_untrusted(word(3), word(4), word(5));
+}

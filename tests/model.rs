@@ -1,0 +1,88 @@
+//! Model-based property tests: random op sequences against a simple model, with every
+//! invariant checked after every step (see `shmstore::testing`, shared with the fuzzers).
+
+use proptest::prelude::*;
+use shmstore::testing::{Harness, Op};
+
+fn op() -> impl Strategy<Value = Op> {
+    let key = 0u8..10;
+    // Lengths from empty to beyond a slab (64 KiB): both allocator layers and `Full`.
+    let len = prop_oneof![0u16..200, 200u16..5000, 5000u16..=u16::MAX];
+    prop_oneof![
+        3 => (key.clone(), len.clone(), any::<u8>()).prop_map(|(key, len, fill)| Op::Create { key, len, fill }),
+        3 => any::<u8>().prop_map(|handle| Op::Seal { handle }),
+        1 => any::<u8>().prop_map(|handle| Op::Abort { handle }),
+        4 => (key.clone(), len, any::<u8>()).prop_map(|(key, len, fill)| Op::Put { key, len, fill }),
+        4 => key.clone().prop_map(|key| Op::Get { key }),
+        2 => key.clone().prop_map(|key| Op::GetZeroTimeout { key }),
+        1 => any::<u8>().prop_map(|view| Op::CloneView { view }),
+        3 => any::<u8>().prop_map(|view| Op::DropView { view }),
+        3 => key.clone().prop_map(|key| Op::Delete { key }),
+        1 => key.prop_map(|key| Op::Contains { key }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: if cfg!(debug_assertions) { 256 } else { 1024 },
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn store_agrees_with_model(ops in proptest::collection::vec(op(), 1..120)) {
+        let mut h = Harness::new();
+        for op in &ops {
+            if let Err(e) = h.apply(op) {
+                return Err(TestCaseError::fail(e));
+            }
+        }
+        h.drain().map_err(TestCaseError::fail)?;
+    }
+}
+
+#[test]
+fn views_survive_delete_and_reuse_of_their_memory() {
+    let mut h = Harness::new();
+    for op in [
+        Op::Put {
+            key: 1,
+            len: 3000,
+            fill: 1,
+        },
+        Op::Get { key: 1 },
+        Op::Delete { key: 1 },
+        Op::Put {
+            key: 1,
+            len: 3000,
+            fill: 2,
+        },
+        Op::Put {
+            key: 2,
+            len: 3000,
+            fill: 3,
+        },
+        Op::Get { key: 1 },
+        Op::DropView { view: 0 },
+    ] {
+        h.apply(&op).unwrap();
+    }
+    h.drain().unwrap();
+}
+
+#[test]
+fn full_store_then_recovery() {
+    let mut h = Harness::new();
+    for k in 0..8 {
+        h.apply(&Op::Put {
+            key: k,
+            len: 60_000,
+            fill: k,
+        })
+        .unwrap();
+    }
+    assert!(h.store().stats().free < 60_000);
+    for k in 0..8 {
+        h.apply(&Op::Delete { key: k }).unwrap();
+    }
+    h.drain().unwrap();
+}
