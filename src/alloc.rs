@@ -931,14 +931,15 @@ mod tests {
     #[test]
     fn threads_allocate_and_free_concurrently() {
         let h = std::sync::Arc::new(HeapAllocator::new(8 << 20));
-        let threads: Vec<_> = (0..4)
+        let threads: Vec<_> = (0..if cfg!(miri) { 2 } else { 4 })
             .map(|t| {
                 let h = h.clone();
                 std::thread::spawn(move || {
                     let a = h.get();
                     let mut live = Vec::new();
                     let mut x = t as u64 + 1;
-                    for i in 0..20_000u64 {
+                    let iters = if cfg!(miri) { 300 } else { 20_000u64 };
+                    for i in 0..iters {
                         x ^= x << 13;
                         x ^= x >> 7;
                         x ^= x << 17;

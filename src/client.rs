@@ -174,6 +174,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "reads /proc, which miri's isolation hides")]
     fn start_time_is_stable_and_known_for_self() {
         let me = std::process::id();
         let a = process_start_time(me).unwrap();

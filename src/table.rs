@@ -727,7 +727,7 @@ mod tests {
 
     #[test]
     fn racing_creates_of_one_id_admit_exactly_one() {
-        for round in 0..200 {
+        for round in 0..if cfg!(miri) { 4 } else { 200 } {
             let h = std::sync::Arc::new(HeapTable::new(64));
             let id = ObjectId::of_key(format!("race{round}"));
             let wins: usize = (0..3)
@@ -745,7 +745,7 @@ mod tests {
 
     #[test]
     fn pin_wait_wakes_on_seal_and_times_out() {
-        for spin in [0, 50, 1_000_000] {
+        for spin in [0, 50, if cfg!(miri) { 500 } else { 1_000_000 }] {
             pin_wait_case(spin);
         }
     }
