@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The multi-process, open-error and model tests under AddressSanitizer. Child processes
+# are re-executions of the same instrumented test binary, so they are checked too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/asan}
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1}
+RUSTFLAGS="-Zsanitizer=address" cargo +nightly test --target "$(rustc -vV | sed -n 's/^host: //p')" \
+  --test multiprocess --test open_errors --test model
