@@ -149,6 +149,32 @@ impl Client<'_> {
     }
 }
 
+/// Whether the process that holds a client slot still runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Liveness {
+    /// No process holds the slot.
+    Free,
+    /// The recorded pid runs and started at the recorded time.
+    Alive,
+    /// The recorded pid is gone, or was reused by a process that started later.
+    Dead,
+}
+
+impl Client<'_> {
+    /// Checks the holder's pid and start time against `/proc` (same pid namespace).
+    pub(crate) fn liveness(&self) -> Liveness {
+        if !self.is_attached() {
+            return Liveness::Free;
+        }
+        let pid = self.header.pid.load(Ordering::Relaxed);
+        let start = self.header.start_time.load(Ordering::Relaxed);
+        match u32::try_from(pid).ok().and_then(process_start_time) {
+            Some(t) if t == start => Liveness::Alive,
+            _ => Liveness::Dead,
+        }
+    }
+}
+
 /// Kernel start time of `pid` (clock ticks since boot), from `/proc/PID/stat`.
 pub(crate) fn process_start_time(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

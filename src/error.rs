@@ -139,6 +139,11 @@ pub enum Error {
         /// The per-process limit.
         limit: u32,
     },
+    /// The store was attached read-only; this operation writes objects.
+    ReadOnly {
+        /// The operation refused.
+        op: &'static str,
+    },
     /// Per-object metadata is larger than the store allows.
     MetadataTooLarge {
         /// Bytes given.
@@ -254,6 +259,11 @@ impl fmt::Display for Error {
                 f,
                 "this process already holds {limit} pins and unfinished creations: drop views \
                  you no longer need, or create the store with a larger holds_per_client"
+            ),
+            Error::ReadOnly { op } => write!(
+                f,
+                "{op} refused: this process attached the store read-only (AttachOptions::read_only); \
+                 attach read-write to create or delete objects"
             ),
             Error::MetadataTooLarge { len, max } => write!(
                 f,

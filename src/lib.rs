@@ -65,4 +65,7 @@ pub use region::HugePages;
 #[doc(hidden)]
 pub use store::RawBlock;
 #[cfg(not(loom))]
-pub use store::{AttachOptions, Creation, Stats, Store, StoreConfig, View, DEFAULT_GET_SPIN};
+pub use store::{
+    AttachOptions, Creation, ObjectInfo, ObjectState, Stats, Store, StoreConfig, View,
+    DEFAULT_GET_SPIN,
+};

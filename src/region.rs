@@ -321,6 +321,37 @@ impl Mapping {
         unsafe { std::slice::from_raw_parts(self.map.as_ptr(), 256) }
     }
 
+    /// Makes `[offset, offset + len)` of the mapping read-only in this process: the
+    /// kernel then faults any write there (read-only attach mode).
+    pub(crate) fn protect_read_only(&self, offset: u64, len: u64) -> Result<()> {
+        if offset % PAGE != 0
+            || offset
+                .checked_add(len)
+                .is_none_or(|e| e > self.map.len() as u64)
+        {
+            return Err(Error::Corrupted {
+                what: format!("read-only range {offset}+{len} is not inside the mapping"),
+            });
+        }
+        // SAFETY: the range lies inside our live mapping (checked above) and starts on a
+        // page boundary; PROT_READ only removes write access from this process.
+        let rc = unsafe {
+            libc::mprotect(
+                self.map.as_mut_ptr().add(offset as usize).cast(),
+                len as usize,
+                libc::PROT_READ,
+            )
+        };
+        if rc != 0 {
+            return Err(Error::Io {
+                op: "mprotect(PROT_READ)",
+                path: self.path.clone().unwrap_or_default(),
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(())
+    }
+
     /// Start of the mapping.
     pub(crate) fn base(&self) -> *mut u8 {
         self.map.as_mut_ptr()

@@ -10,7 +10,7 @@
 //! `'static + Send` and may outlive the `Store` value they came from.
 
 use crate::alloc::{Allocator, Block, BlockKind, Padded, SlabDesc, CLASS_SIZES};
-use crate::client::{self, encode_hold, Client, ClientHeader, HoldKind};
+use crate::client::{self, encode_hold, Client, ClientHeader, HoldKind, Liveness};
 use crate::error::{Error, Result};
 use crate::layout::{Params, Superblock, MAX_META, PAGE, WAIT_BUCKETS};
 use crate::region::{HugePages, Mapping};
@@ -115,6 +115,10 @@ pub struct AttachOptions {
     /// How long a blocking get in this process spins before it sleeps on the futex
     /// (`Duration::ZERO`: sleep at once).
     pub get_spin: Duration,
+    /// Attach for reading only: the payload pages are mapped read-only in this process, so
+    /// the kernel faults any write to them; creating and deleting objects is refused.
+    /// Pins still work (they live in the metadata, which stays writable).
+    pub read_only: bool,
 }
 
 impl Default for AttachOptions {
@@ -123,6 +127,7 @@ impl Default for AttachOptions {
             prefault: true,
             huge_pages: HugePages::Off,
             get_spin: DEFAULT_GET_SPIN,
+            read_only: false,
         }
     }
 }
@@ -156,12 +161,53 @@ pub struct Stats {
     pub pins: u64,
     /// Deleted objects whose memory waits for the last pin.
     pub draining: u64,
-    /// Processes attached.
+    /// Processes attached and alive.
     pub clients: u64,
+    /// Client slots still held by processes that have died (their pins and unfinished
+    /// creations are not reclaimed yet).
+    pub dead_clients: u64,
     /// Object table slots.
     pub table_slots: u64,
     /// Whether transparent huge pages are in effect for this process's mapping.
     pub huge_pages: bool,
+}
+
+/// Where an object is in its life cycle.
+///
+/// ```
+/// assert_ne!(shmstore::ObjectState::Sealed, shmstore::ObjectState::Creating);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjectState {
+    /// Being written by its creator; not visible to gets.
+    Creating,
+    /// Published and immutable.
+    Sealed,
+    /// Deleted; its memory is freed when the last pin drops.
+    Draining,
+}
+
+/// One object as [`Store::list`] reports it.
+///
+/// ```
+/// # let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+/// # s.put(&shmstore::ObjectId::of_key("a"), b"x")?;
+/// let info = &s.list()[0];
+/// assert_eq!(info.id, shmstore::ObjectId::of_key("a"));
+/// # Ok::<(), shmstore::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectInfo {
+    /// The id.
+    pub id: ObjectId,
+    /// Payload bytes.
+    pub len: u64,
+    /// Metadata bytes.
+    pub meta_len: u16,
+    /// Life-cycle state.
+    pub state: ObjectState,
+    /// Pins held now.
+    pub pins: u64,
 }
 
 /// Types that may be viewed in place over shared memory: every bit pattern is a valid
@@ -224,6 +270,7 @@ struct Inner {
     client_index: u16,
     hold_cursor: AtomicU64,
     get_spin: Duration,
+    read_only: bool,
     heap: *mut u8,
     sb: Superblock,
     map: Mapping,
@@ -244,7 +291,15 @@ impl Drop for Inner {
 }
 
 impl Inner {
-    fn attach(map: Mapping, sb: Superblock, get_spin: Duration) -> Result<Arc<Inner>> {
+    fn attach(
+        map: Mapping,
+        sb: Superblock,
+        get_spin: Duration,
+        read_only: bool,
+    ) -> Result<Arc<Inner>> {
+        if read_only {
+            map.protect_read_only(sb.heap_offset, sb.heap_size)?;
+        }
         let base = map.base();
         let total = map.len();
         // SAFETY: `base`/`total` describe `map`, which `Inner` owns and drops after these
@@ -303,6 +358,7 @@ impl Inner {
             client_index,
             hold_cursor: AtomicU64::new(0),
             get_spin,
+            read_only,
             // SAFETY: heap_offset + heap_size <= total (checked above).
             heap: unsafe { base.add(sb.heap_offset as usize) },
             sb,
@@ -329,6 +385,15 @@ impl Inner {
             header: self.client_header,
             holds: self.client_holds,
         }
+    }
+
+    /// Client slot `i` (any process's), for stats and audits.
+    fn client_at(&self, i: u64) -> Result<Client<'_>> {
+        // SAFETY: `map` is the mapping these sections were validated against and `self`
+        // owns it; the returned borrows do not outlive `self`.
+        let (header, holds) =
+            unsafe { client_sections(self.map.base(), self.map.len(), &self.sb, i)? };
+        Ok(Client { header, holds })
     }
 
     fn hold(&self, kind: HoldKind, r: SlotRef) -> Result<u32> {
@@ -483,7 +548,7 @@ impl Store {
         let sb = Self::superblock_for(cfg)?;
         let map =
             Mapping::create_named(&cfg.dir, name, &sb, cfg.mode, cfg.huge_pages, cfg.prefault)?;
-        Self::attach(map, sb, cfg.get_spin)
+        Self::attach(map, sb, cfg.get_spin, false)
     }
 
     /// Creates an anonymous store in a memfd. Share it with [`Store::fd`] (a child opens
@@ -497,7 +562,7 @@ impl Store {
     pub fn create_anonymous(cfg: &StoreConfig) -> Result<Store> {
         let sb = Self::superblock_for(cfg)?;
         let map = Mapping::create_memfd(&sb, cfg.huge_pages, cfg.prefault)?;
-        Self::attach(map, sb, cfg.get_spin)
+        Self::attach(map, sb, cfg.get_spin, false)
     }
 
     /// Opens the named store `/dev/shm/name`.
@@ -534,7 +599,7 @@ impl Store {
     /// ```
     pub fn open_with(path: impl AsRef<Path>, opts: &AttachOptions) -> Result<Store> {
         let (map, sb) = Mapping::open(path.as_ref(), opts.huge_pages, opts.prefault)?;
-        Self::attach(map, sb, opts.get_spin)
+        Self::attach(map, sb, opts.get_spin, opts.read_only)
     }
 
     /// Removes the store's name; attached processes keep working, and the memory is
@@ -568,9 +633,9 @@ impl Store {
         Ok(sb)
     }
 
-    fn attach(map: Mapping, sb: Superblock, get_spin: Duration) -> Result<Store> {
+    fn attach(map: Mapping, sb: Superblock, get_spin: Duration, read_only: bool) -> Result<Store> {
         Ok(Store {
-            inner: Inner::attach(map, sb, get_spin)?,
+            inner: Inner::attach(map, sb, get_spin, read_only)?,
         })
     }
 
@@ -654,6 +719,9 @@ impl Store {
             });
         }
         let inner = &self.inner;
+        if inner.read_only {
+            return Err(Error::ReadOnly { op: "create" });
+        }
         // Cheap early answer (the insert below re-checks atomically): an existing id is
         // AlreadyExists even when the store is full.
         if inner.table().contains_live(id) {
@@ -851,6 +919,9 @@ impl Store {
     /// # Ok::<(), shmstore::Error>(())
     /// ```
     pub fn delete(&self, id: &ObjectId) -> Result<()> {
+        if self.inner.read_only {
+            return Err(Error::ReadOnly { op: "delete" });
+        }
         match self.inner.table().delete(id)? {
             Some((r, e)) => self.inner.reclaim(r, e),
             None => Ok(()),
@@ -887,20 +958,47 @@ impl Store {
                 st.pins += c.pins();
             }
         });
-        st.clients = self.clients_attached();
+        let inner = &self.inner;
+        for i in 0..inner.sb.max_clients {
+            if let Ok(c) = inner.client_at(i) {
+                match c.liveness() {
+                    Liveness::Alive => st.clients += 1,
+                    Liveness::Dead => st.dead_clients += 1,
+                    Liveness::Free => {}
+                }
+            }
+        }
         st
     }
 
-    fn clients_attached(&self) -> u64 {
-        let inner = &self.inner;
-        (0..inner.sb.max_clients)
-            .filter(|&i| {
-                // SAFETY: same mapping and contract as at attach.
-                unsafe { client_sections(inner.map.base(), inner.map.len(), &inner.sb, i) }
-                    .map(|(header, holds)| Client { header, holds }.is_attached())
-                    .unwrap_or(false)
-            })
-            .count() as u64
+    /// Every object in the table with its state, size and pins (a scan; for tools).
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, ObjectState, Store, StoreConfig};
+    /// let s = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// s.put(&ObjectId::of_key("a"), b"abc")?;
+    /// let list = s.list();
+    /// assert_eq!((list[0].len, list[0].state, list[0].pins), (3, ObjectState::Sealed, 0));
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn list(&self) -> Vec<ObjectInfo> {
+        let mut out = Vec::new();
+        self.inner.table().scan(|_, c, id, e| {
+            let state = match c.state() {
+                CREATING => ObjectState::Creating,
+                SEALED => ObjectState::Sealed,
+                DELETED => ObjectState::Draining,
+                _ => return,
+            };
+            out.push(ObjectInfo {
+                id,
+                len: e.len,
+                meta_len: e.meta_len,
+                state,
+                pins: c.pins(),
+            });
+        });
+        out
     }
 
     /// Checks every internal invariant: allocator bitmaps agree with their counts, every
@@ -947,10 +1045,7 @@ impl Store {
         });
         let (mut held_pins, mut held_creations) = (0u64, 0u64);
         for i in 0..inner.sb.max_clients {
-            // SAFETY: same mapping and contract as at attach.
-            let (header, holds) =
-                unsafe { client_sections(inner.map.base(), inner.map.len(), &inner.sb, i)? };
-            for (kind, _) in (Client { header, holds }).holds() {
+            for (kind, _) in inner.client_at(i)?.holds() {
                 match kind {
                     HoldKind::Pin => held_pins += 1,
                     HoldKind::Creation => held_creations += 1,
@@ -991,6 +1086,9 @@ impl Store {
     /// block is not attributed to any object; free it with [`Store::raw_free`].
     #[doc(hidden)]
     pub fn raw_alloc(&self, size: u64) -> Result<RawBlock> {
+        if self.inner.read_only {
+            return Err(Error::ReadOnly { op: "raw_alloc" });
+        }
         self.inner.alloc().alloc(size).map(RawBlock)
     }
 

@@ -109,6 +109,25 @@ fn child_entry() {
             }
             say(format!("won {won}"));
         }
+        // Attach read-only: creating is refused, and writing through a view faults.
+        "write-readonly" => {
+            drop(store);
+            let opts = shmstore::AttachOptions {
+                read_only: true,
+                ..Default::default()
+            };
+            let ro = Store::open_with(Path::new(&args[0]), &opts).unwrap();
+            match ro.create_object(&ObjectId::of_key("ro"), 1) {
+                Err(Error::ReadOnly { .. }) => say("create refused"),
+                other => say(format!("unexpected {other:?}")),
+            }
+            let v = ro.try_get(&id(&args[1])).unwrap();
+            say(format!("read {}", v[0]));
+            // SAFETY: deliberately writes through a read-only view to prove the kernel stops it;
+            // the process is expected to die with SIGSEGV right here.
+            unsafe { std::ptr::write_volatile(v.as_ptr() as *mut u8, 0xee) };
+            say("wrote");
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -281,4 +300,18 @@ fn anonymous_store_is_shared_through_proc_fd() {
     store.put(&id, &data).unwrap();
     assert_eq!(p.recv(), id.to_string());
     p.finish();
+}
+
+#[test]
+fn read_only_attach_refuses_creates_and_the_kernel_faults_writes() {
+    use std::os::unix::process::ExitStatusExt;
+    let (store, _c) = new_store("readonly", 1 << 20);
+    let id = ObjectId::of_key("guarded");
+    store.put(&id, &[42; 4096]).unwrap();
+    let mut p = child("write-readonly", &store, &[id.to_string()]);
+    assert_eq!(p.recv(), "create refused");
+    assert_eq!(p.recv(), "read 42");
+    let status = p.child.wait().unwrap();
+    assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}");
+    assert!(store.try_get(&id).unwrap().iter().all(|&b| b == 42));
 }

@@ -6,6 +6,7 @@ mod bench;
 mod child;
 mod ipc;
 mod report;
+mod tools;
 
 use std::process::ExitCode;
 
@@ -16,7 +17,12 @@ commands:
   bench [--quick] [--json]   benchmark on a temporary store in /dev/shm (1 engine + 2 workers)
                              --quick  fewer samples, finishes in under 30 s
                              --json   print the figures as one JSON object
+  stat NAME [--json]         capacity, use, objects, pins, clients alive and dead
+  ls NAME [--json]           every object with its size, state and pins
+  rm NAME                    remove a store's name (checks that it is a store first)
   help                       this text
+
+NAME is a store in /dev/shm, or a path if it contains '/'.
 ";
 
 fn main() -> ExitCode {
@@ -38,6 +44,26 @@ fn main() -> ExitCode {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("shmstore bench: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Some(cmd @ ("stat" | "ls" | "rm")) => {
+            let json = args[1..].iter().any(|a| a == "--json");
+            let names: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with("--")).collect();
+            let [name] = names[..] else {
+                eprintln!("shmstore {cmd}: give exactly one store NAME\n\n{USAGE}");
+                return ExitCode::from(2);
+            };
+            let r = match cmd {
+                "stat" => tools::stat(name, json),
+                "ls" => tools::ls(name, json),
+                _ => tools::rm(name),
+            };
+            match r {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("shmstore {cmd}: {e}");
                     ExitCode::FAILURE
                 }
             }

@@ -1,0 +1,151 @@
+//! `shmstore stat | ls | rm NAME`: inspect and remove stores. They attach read-only (the
+//! kernel forbids them to write payloads) and without prefaulting.
+
+use shmstore::{AttachOptions, ObjectState, Store};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// A store name, or a path if it contains a '/'.
+fn resolve(name: &str) -> PathBuf {
+    if name.contains('/') {
+        PathBuf::from(name)
+    } else {
+        PathBuf::from("/dev/shm").join(name)
+    }
+}
+
+fn attach(name: &str) -> Result<Store, String> {
+    let opts = AttachOptions {
+        prefault: false,
+        read_only: true,
+        get_spin: Duration::ZERO,
+        ..Default::default()
+    };
+    Store::open_with(resolve(name), &opts).map_err(|e| e.to_string())
+}
+
+fn human(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < U.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
+pub fn stat(name: &str, json: bool) -> Result<(), String> {
+    let s = attach(name)?;
+    let st = s.stats();
+    // This tool is attached too; do not count it.
+    let others = st.clients.saturating_sub(1);
+    if json {
+        println!(
+            "{{\"capacity\":{},\"used\":{},\"free\":{},\"largest_free\":{},\"objects\":{},\"creating\":{},\"draining\":{},\"pinned\":{},\"pins\":{},\"clients_alive\":{},\"clients_dead\":{},\"table_slots\":{}}}",
+            st.capacity, st.used, st.free, st.largest_free, st.objects, st.creating, st.draining,
+            st.pinned, st.pins, others, st.dead_clients, st.table_slots
+        );
+        return Ok(());
+    }
+    let rows = [
+        ("store", resolve(name).display().to_string()),
+        ("capacity", human(st.capacity)),
+        (
+            "used",
+            format!(
+                "{} ({:.1}%)",
+                human(st.used),
+                100.0 * st.used as f64 / st.capacity.max(1) as f64
+            ),
+        ),
+        ("free", human(st.free)),
+        ("largest free block", human(st.largest_free)),
+        ("objects (sealed)", st.objects.to_string()),
+        ("being created", st.creating.to_string()),
+        ("deleted, draining", st.draining.to_string()),
+        (
+            "pinned objects",
+            format!("{} ({} pins)", st.pinned, st.pins),
+        ),
+        ("clients alive", others.to_string()),
+        ("clients dead", st.dead_clients.to_string()),
+        ("table slots", st.table_slots.to_string()),
+    ];
+    for (k, v) in rows {
+        println!("{k:<20} {v}");
+    }
+    if st.dead_clients > 0 {
+        println!("\n{} dead client(s) still hold their slots; their pins and unfinished creations are not reclaimed yet.", st.dead_clients);
+    }
+    if others == 0 && st.dead_clients > 0 {
+        println!("No live process is attached: this store looks stale. Remove it with `shmstore rm {name}`.");
+    }
+    Ok(())
+}
+
+pub fn ls(name: &str, json: bool) -> Result<(), String> {
+    let s = attach(name)?;
+    let mut list = s.list();
+    list.sort_by_key(|o| (o.state as u8, o.id));
+    let state = |st: ObjectState| match st {
+        ObjectState::Creating => "creating",
+        ObjectState::Sealed => "sealed",
+        ObjectState::Draining => "draining",
+    };
+    if json {
+        let items: Vec<String> = list
+            .iter()
+            .map(|o| {
+                format!(
+                    "{{\"id\":\"{}\",\"len\":{},\"meta_len\":{},\"state\":\"{}\",\"pins\":{}}}",
+                    o.id,
+                    o.len,
+                    o.meta_len,
+                    state(o.state),
+                    o.pins
+                )
+            })
+            .collect();
+        println!("[{}]", items.join(","));
+        return Ok(());
+    }
+    println!(
+        "{:<64}  {:>12}  {:>6}  {:<8}  {:>5}",
+        "id", "size", "meta", "state", "pins"
+    );
+    for o in &list {
+        println!(
+            "{}  {:>12}  {:>6}  {:<8}  {:>5}",
+            o.id,
+            o.len,
+            o.meta_len,
+            state(o.state),
+            o.pins
+        );
+    }
+    println!("{} object(s)", list.len());
+    Ok(())
+}
+
+pub fn rm(name: &str) -> Result<(), String> {
+    let path = resolve(name);
+    // Validate first: never remove a file that is not a shmstore region.
+    let s = attach(name)?;
+    let others = s.stats().clients.saturating_sub(1);
+    drop(s);
+    std::fs::remove_file(&path).map_err(|e| format!("removing {}: {e}", path.display()))?;
+    if others > 0 {
+        println!(
+            "removed {} ({others} attached process(es) keep their mapping until they detach)",
+            path.display()
+        );
+    } else {
+        println!("removed {}", path.display());
+    }
+    Ok(())
+}
