@@ -134,13 +134,13 @@ fn loom_small_blocks_free_and_reclaim() {
     });
 }
 
-/// Two creates of one id race: exactly one succeeds.
+/// Three creates of one id race: exactly one succeeds.
 #[test]
 fn loom_racing_creates_of_one_id() {
     loom::model(|| {
         let h = Arc::new(HeapTable::new(32));
         let id = ObjectId::of_key("same");
-        let ts: Vec<_> = (0..2u64)
+        let ts: Vec<_> = (0..3u64)
             .map(|k| {
                 let h = h.clone();
                 thread::spawn(move || h.get().insert(&id, &entry(64 * k)))
@@ -237,8 +237,8 @@ fn loom_seal_wakes_blocked_get_and_publishes_payload() {
     });
 }
 
-/// A pin races the delete of its object: the last reference frees the block exactly once,
-/// never twice and never while a pin is held.
+/// Two pins race the delete of their object: the last reference frees the block exactly
+/// once, never twice and never while a pin is held.
 #[test]
 fn loom_pin_races_delete_frees_once() {
     loom::model(|| {
@@ -247,24 +247,26 @@ fn loom_pin_races_delete_frees_once() {
         let t = h.get();
         let r = t.insert(&id, &entry(0)).unwrap();
         t.seal(&id, r).unwrap();
-        let pinner = {
-            let h = h.clone();
-            thread::spawn(move || {
-                let t = h.get();
-                match t.pin(&id).unwrap() {
-                    Pin::Pinned(r, _) => t.unpin(r).unwrap().map(|e| (r, e)),
-                    _ => None,
-                }
+        let pinners: Vec<_> = (0..2)
+            .map(|_| {
+                let h = h.clone();
+                thread::spawn(move || {
+                    let t = h.get();
+                    match t.pin(&id).unwrap() {
+                        Pin::Pinned(r, _) => t.unpin(r).unwrap().map(|e| (r, e)),
+                        _ => None,
+                    }
+                })
             })
-        };
+            .collect();
         let deleter = {
             let h = h.clone();
             thread::spawn(move || h.get().delete(&id).unwrap())
         };
-        let frees: Vec<(SlotRef, Entry)> = [pinner.join().unwrap(), deleter.join().unwrap()]
-            .into_iter()
-            .flatten()
-            .collect();
+        let mut frees: Vec<(SlotRef, Entry)> = deleter.join().unwrap().into_iter().collect();
+        for p in pinners {
+            frees.extend(p.join().unwrap());
+        }
         assert_eq!(frees.len(), 1, "the block must be freed exactly once");
         h.get().release(frees[0].0);
         assert_eq!(h.get().count_live(), 0);
