@@ -9,7 +9,8 @@
 //!
 //! ```text
 //! 0        superblock (256 B, immutable after creation, checksummed)
-//! 4 KiB    wait buckets      WAIT_BUCKETS x 64 B   futex words for blocked gets
+//! 4 KiB    globals           128 B                 clock hand, evictions, space waiters
+//!          wait buckets      WAIT_BUCKETS x 64 B   futex words for blocked gets
 //!          class hints       CLASSES x 64 B        current slab per size class
 //!          page bitmap       pages / 64 words      1 bit per 4 KiB heap page
 //!          slab descriptors  slabs x 136 B         state + block bitmap per 64 KiB unit
@@ -40,6 +41,10 @@ pub(crate) const PAGES_PER_SLAB: u64 = SLAB / PAGE;
 pub(crate) const WAIT_BUCKETS: u64 = 256;
 /// Hopscotch neighbourhood: an object lives within this many slots of its home.
 pub(crate) const NEIGHBORHOOD: u64 = 32;
+/// Size of the store-wide globals (clock hand, eviction count, space waiters).
+pub(crate) const GLOBALS_SIZE: u64 = 128;
+/// Superblock flag: evict least-recently-used objects when full instead of failing.
+pub(crate) const FLAG_EVICT: u64 = 1;
 /// Size of the per-client fixed header, before its hold bitmap and records.
 pub(crate) const CLIENT_HEADER: u64 = 256;
 /// Largest per-object metadata blob.
@@ -76,9 +81,10 @@ pub(crate) struct Superblock {
     pub max_clients: u64,
     pub holds_per_client: u64,
     pub client_stride: u64,
+    pub globals_offset: u64,
     pub created_unix_ns: u64,
     pub flags: u64,
-    pub _reserved: [u64; 9],
+    pub _reserved: [u64; 8],
     pub checksum: u64,
 }
 
@@ -152,6 +158,7 @@ impl Params {
             off += bytes;
             at
         };
+        let globals_offset = take(GLOBALS_SIZE, 64);
         let wait_offset = take(WAIT_BUCKETS * 64, 64);
         let hints_offset = take((CLASSES + 1) * 64, 64);
         let page_bitmap_offset = take(pages.div_ceil(64) * 8, 64);
@@ -183,9 +190,10 @@ impl Params {
             max_clients: self.max_clients,
             holds_per_client: self.holds_per_client,
             client_stride,
+            globals_offset,
             created_unix_ns: 0,
             flags: 0,
-            _reserved: [0; 9],
+            _reserved: [0; 8],
             checksum: 0,
         })
     }
@@ -249,7 +257,7 @@ impl Superblock {
         cmp.created_unix_ns = 0;
         cmp.flags = 0;
         cmp.checksum = 0;
-        if cmp != expect {
+        if cmp != expect || sb.flags & !FLAG_EVICT != 0 {
             return Err(Error::Corrupted {
                 what: "superblock section offsets disagree with its parameters".into(),
             });
@@ -282,6 +290,7 @@ mod tests {
     fn sections_are_ordered_aligned_and_disjoint() {
         let l = params().layout().unwrap();
         let sections = [
+            (l.globals_offset, GLOBALS_SIZE),
             (l.wait_offset, WAIT_BUCKETS * 64),
             (l.hints_offset, (CLASSES + 1) * 64),
             (l.page_bitmap_offset, l.pages.div_ceil(64) * 8),

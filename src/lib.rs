@@ -41,6 +41,8 @@
 #![cfg_attr(loom, allow(dead_code, unused_imports))]
 
 mod alloc;
+#[cfg(not(loom))]
+mod capacity;
 mod client;
 mod error;
 mod id;
@@ -57,6 +59,8 @@ mod table;
 #[doc(hidden)]
 pub mod testing;
 
+#[cfg(not(loom))]
+pub use capacity::WhenFull;
 pub use error::{Error, Result};
 pub use id::{ObjectId, ParseObjectIdError};
 #[cfg(not(loom))]

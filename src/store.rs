@@ -10,9 +10,10 @@
 //! `'static + Send` and may outlive the `Store` value they came from.
 
 use crate::alloc::{Allocator, Block, BlockKind, Padded, SlabDesc, CLASS_SIZES};
+use crate::capacity::{self, Globals, WhenFull};
 use crate::client::{self, encode_hold, Client, ClientHeader, HoldKind, Liveness};
 use crate::error::{Error, Result};
-use crate::layout::{Params, Superblock, MAX_META, PAGE, WAIT_BUCKETS};
+use crate::layout::{Params, Superblock, FLAG_EVICT, GLOBALS_SIZE, MAX_META, PAGE, WAIT_BUCKETS};
 use crate::region::{HugePages, Mapping};
 use crate::sync::AtomicU64;
 use crate::table::{Entry, Pin, Slot, SlotRef, Table, WaitBucket, CREATING, DELETED, SEALED};
@@ -51,6 +52,8 @@ pub struct StoreConfig {
     pub huge_pages: HugePages,
     /// How long a blocking get in this process spins before it sleeps on the futex.
     pub get_spin: Duration,
+    /// Fail or evict when full (a property of the store, the same for every process).
+    pub when_full: WhenFull,
 }
 
 /// Default spin before a blocking get sleeps: long enough to catch a producer that is
@@ -69,6 +72,7 @@ impl Default for StoreConfig {
             prefault: true,
             huge_pages: HugePages::Off,
             get_spin: DEFAULT_GET_SPIN,
+            when_full: WhenFull::Fail,
         }
     }
 }
@@ -166,6 +170,8 @@ pub struct Stats {
     /// Client slots still held by processes that have died (their pins and unfinished
     /// creations are not reclaimed yet).
     pub dead_clients: u64,
+    /// Objects evicted to make room since the store was created.
+    pub evictions: u64,
     /// Object table slots.
     pub table_slots: u64,
     /// Whether transparent huge pages are in effect for this process's mapping.
@@ -228,6 +234,8 @@ unsafe impl SharedPod for Slot {}
 unsafe impl SharedPod for WaitBucket {}
 // SAFETY: repr(C) of AtomicU64s.
 unsafe impl SharedPod for ClientHeader {}
+// SAFETY: repr(C) of AtomicU64s, plain u64 padding and a WaitBucket.
+unsafe impl SharedPod for Globals {}
 
 /// Views `count` values of `T` at byte offset `off` of the mapping.
 ///
@@ -265,6 +273,7 @@ struct Inner {
     slots: &'static [Slot],
     buckets: &'static [AtomicU64],
     waits: &'static [WaitBucket],
+    globals: &'static Globals,
     client_header: &'static ClientHeader,
     client_holds: &'static [AtomicU64],
     client_index: u16,
@@ -302,10 +311,12 @@ impl Inner {
         }
         let base = map.base();
         let total = map.len();
+        const _: () = assert!(std::mem::size_of::<Globals>() as u64 == GLOBALS_SIZE);
         // SAFETY: `base`/`total` describe `map`, which `Inner` owns and drops after these
         // slices (field order); the slices never leave `Inner`.
-        let (pages, slabs, partial, hints, slots, buckets, waits) = unsafe {
+        let (globals, pages, slabs, partial, hints, slots, buckets, waits) = unsafe {
             (
+                &section::<Globals>(base, total, sb.globals_offset, 1)?[0],
                 section(base, total, sb.page_bitmap_offset, sb.pages.div_ceil(64))?,
                 section(base, total, sb.slab_desc_offset, sb.slabs)?,
                 section(
@@ -346,6 +357,7 @@ impl Inner {
             });
         }
         Ok(Arc::new(Inner {
+            globals,
             pages,
             slabs,
             partial,
@@ -424,13 +436,33 @@ impl Inner {
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.base().add(at), n) };
     }
 
-    /// Frees the block of a fully released entry and returns its slot.
+    /// Frees the block of a fully released entry, returns its slot, and wakes creators
+    /// waiting for space.
     fn reclaim(&self, r: SlotRef, e: Entry) -> Result<()> {
         let res = self.resolve(&e);
         let freed = res.and_then(|x| self.alloc().free(x.block));
         // Release the slot even if the entry was corrupt: never strand a table slot.
         self.table().release(r);
+        self.globals.space.notify();
         freed
+    }
+
+    fn evicts(&self) -> bool {
+        self.sb.flags & FLAG_EVICT != 0
+    }
+
+    /// Allocates `need` bytes, evicting by CLOCK when the store is full and says so.
+    fn alloc_block(&self, need: u64) -> Result<Block> {
+        match self.alloc().alloc(need) {
+            Err(Error::Full { .. }) if self.evicts() => capacity::evict_until_fits(
+                self.globals,
+                &self.table(),
+                &self.alloc(),
+                need,
+                |r, e| self.reclaim(r, e),
+            ),
+            other => other,
+        }
     }
 }
 
@@ -625,6 +657,9 @@ impl Store {
 
     fn superblock_for(cfg: &StoreConfig) -> Result<Superblock> {
         let mut sb = cfg.params().layout()?;
+        if cfg.when_full == WhenFull::Evict {
+            sb.flags |= FLAG_EVICT;
+        }
         sb.created_unix_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -733,7 +768,7 @@ impl Store {
                 requested: u64::MAX,
                 max: self.max_object_size(),
             })?;
-        let block = inner.alloc().alloc(need)?;
+        let block = inner.alloc_block(need)?;
         let entry = Entry {
             offset: block.offset,
             len,
@@ -768,6 +803,36 @@ impl Store {
             len: len as usize,
             done: false,
         })
+    }
+
+    /// Like [`create_object`](Self::create_object), but when the store is full it waits up
+    /// to `timeout` for space (another process deleting, a pin dropping in an evicting
+    /// store) instead of failing at once. Ends with [`Error::Full`], with the numbers, if
+    /// no space came in time; a request that can never fit fails at once with
+    /// [`Error::TooLarge`].
+    ///
+    /// ```
+    /// use shmstore::{Error, ObjectId, Store, StoreConfig};
+    /// use std::time::Duration;
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// store.put(&ObjectId::of_key("big"), &vec![0; 1 << 20])?;
+    /// let s2 = store.clone();
+    /// let t = std::thread::spawn(move || s2.create_object_wait(&ObjectId::of_key("next"), 1000, Duration::from_secs(10)).map(|c| c.seal()));
+    /// store.delete(&ObjectId::of_key("big"))?; // frees the space; the waiter proceeds
+    /// t.join().unwrap()??;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn create_object_wait(
+        &self,
+        id: &ObjectId,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<Creation> {
+        let start = Instant::now();
+        let deadline = start
+            .checked_add(timeout)
+            .unwrap_or(start + Duration::from_secs(1 << 32));
+        capacity::wait_for_space(self.inner.globals, deadline, || self.create_object(id, len))
     }
 
     /// Creates, copies and seals in one call.
@@ -943,6 +1008,11 @@ impl Store {
             free: u.free,
             largest_free: u.largest_free,
             table_slots: self.inner.sb.table_slots,
+            evictions: self
+                .inner
+                .globals
+                .evictions
+                .load(crate::sync::Ordering::Relaxed),
             huge_pages: self.inner.map.huge_pages(),
             ..Default::default()
         };
@@ -1160,6 +1230,25 @@ impl Creation {
         r
     }
 
+    /// Marks the object as never evicted (in a store created with [`WhenFull::Evict`]);
+    /// it stays until deleted. Call before sealing.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig, WhenFull};
+    /// let cfg = StoreConfig { when_full: WhenFull::Evict, ..StoreConfig::with_capacity(1 << 20) };
+    /// let store = Store::create_anonymous(&cfg)?;
+    /// let mut c = store.create_object(&ObjectId::of_key("model-weights"), 100)?;
+    /// c.set_evictable(false)?;
+    /// c.seal()?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn set_evictable(&mut self, evictable: bool) -> Result<()> {
+        if evictable {
+            return Ok(()); // objects are evictable unless marked otherwise
+        }
+        self.inner.table().set_no_evict(self.slot)
+    }
+
     /// Abandons the object and frees its memory (the same as dropping the handle).
     ///
     /// ```
@@ -1337,8 +1426,13 @@ impl AsRef<[u8]> for View {
 impl Drop for View {
     fn drop(&mut self) {
         let inner = &self.inner;
-        if let Ok(Some(e)) = inner.table().unpin(self.slot) {
-            let _ = inner.reclaim(self.slot, e);
+        match inner.table().unpin(self.slot) {
+            Ok(Some(e)) => {
+                let _ = inner.reclaim(self.slot, e);
+            }
+            // An unpinned object may now be evicted: nudge creators waiting for space.
+            Ok(None) if inner.evicts() => inner.globals.space.nudge(),
+            _ => {}
         }
         inner.client().clear_hold(self.hold);
     }

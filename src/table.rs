@@ -86,6 +86,52 @@ pub(crate) struct WaitBucket {
     waiters: AtomicU32,
 }
 
+/// `info` flag: the object was used since the clock hand last passed (CLOCK's second chance).
+pub(crate) const INFO_REFERENCED: u64 = 1 << 40;
+/// `info` flag: never evict this object.
+pub(crate) const INFO_NO_EVICT: u64 = 1 << 41;
+
+impl WaitBucket {
+    /// Bumps the sequence and wakes sleepers, if any (see [`Table::notify`]).
+    pub(crate) fn notify(&self) {
+        self.seq.fetch_add(1, Ordering::AcqRel);
+        if self.waiters.fetch_add(0, Ordering::AcqRel) != 0 {
+            futex::wake_all(&self.seq);
+        }
+    }
+
+    /// Like [`notify`](Self::notify), but only if someone looks asleep (a plain load, so
+    /// a sleeper registering at this instant may miss it; callers' sleepers re-check on a
+    /// short period). For hot paths.
+    pub(crate) fn nudge(&self) {
+        if self.waiters.load(Ordering::Relaxed) != 0 {
+            self.notify();
+        }
+    }
+
+    /// Registers as a sleeper; returns the sequence to sleep on. Re-check the condition
+    /// after this, then [`sleep`](Self::sleep), then [`unregister`](Self::unregister).
+    pub(crate) fn register(&self) -> u32 {
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        self.seq.fetch_add(0, Ordering::AcqRel)
+    }
+
+    /// The current sequence (for a sleeper already registered).
+    pub(crate) fn sequence(&self) -> u32 {
+        self.seq.fetch_add(0, Ordering::AcqRel)
+    }
+
+    /// Sleeps while the sequence is `seq`, at most `timeout`.
+    pub(crate) fn sleep(&self, seq: u32, timeout: Duration) {
+        futex::wait(&self.seq, seq, Some(timeout));
+    }
+
+    /// Stops being a sleeper.
+    pub(crate) fn unregister(&self) {
+        self.waiters.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// What a slot says about the block it owns. Untrusted: validated by the store before use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub(crate) struct Entry {
@@ -249,7 +295,7 @@ impl<'a> Table<'a> {
         }
         s.offset.store(e.offset, Ordering::Relaxed);
         s.len.store(e.len, Ordering::Relaxed);
-        s.info.store(e.info(), Ordering::Relaxed);
+        s.info.store(e.info() | INFO_REFERENCED, Ordering::Relaxed);
         s.ctl.store(Ctl::new(CREATING, 0, gen).0, Ordering::Release);
         let bucket = &self.buckets[home as usize];
         let mut b = bucket.load(Ordering::Acquire);
@@ -297,6 +343,11 @@ impl<'a> Table<'a> {
                     index: i as u32,
                     gen: c.gen(),
                 };
+                // A get refreshes recency (CLOCK); skip the write when already set.
+                let info = &self.slots[i].info;
+                if info.load(Ordering::Relaxed) & INFO_REFERENCED == 0 {
+                    info.fetch_or(INFO_REFERENCED, Ordering::Relaxed);
+                }
                 return Ok(Pin::Pinned(r, self.entry(i)));
             }
             crate::sync::spin_hint();
@@ -432,6 +483,12 @@ impl<'a> Table<'a> {
                 Err(now) => c = Ctl(now),
             }
         }
+        self.unlink(id, r)?;
+        Ok(true)
+    }
+
+    /// Clears a DELETED slot's bit from its home bucket (new lookups stop finding it).
+    fn unlink(&self, id: &ObjectId, r: SlotRef) -> Result<()> {
         let home = self.home(id);
         let d = (r.index as u64).wrapping_sub(home) & self.mask;
         let bucket = &self.buckets[home as usize];
@@ -445,7 +502,7 @@ impl<'a> Table<'a> {
             }
             let nb = ((b >> 32).wrapping_add(1) << 32) | (b as u32 as u64 & !(1 << d));
             match bucket.compare_exchange_weak(b, nb, Ordering::AcqRel, Ordering::Relaxed) {
-                Ok(_) => return Ok(true),
+                Ok(_) => return Ok(()),
                 Err(now) => b = now,
             }
         }
@@ -502,11 +559,67 @@ impl<'a> Table<'a> {
     /// registered, or the waiter sees the new `seq` (and the seal before it). This needs
     /// only acquire/release, which loom models exactly (it treats SeqCst as AcqRel).
     pub(crate) fn notify(&self, id: &ObjectId) {
-        let wb = self.wait_bucket(id);
-        wb.seq.fetch_add(1, Ordering::AcqRel);
-        if wb.waiters.fetch_add(0, Ordering::AcqRel) != 0 {
-            futex::wake_all(&wb.seq);
+        self.wait_bucket(id).notify();
+    }
+
+    /// Marks an object its creator still holds (CREATING) as never evictable.
+    pub(crate) fn set_no_evict(&self, r: SlotRef) -> Result<()> {
+        let s = self.slot_checked(r)?;
+        let c = Ctl(s.ctl.load(Ordering::Relaxed));
+        if c.state() != CREATING || c.gen() != r.gen {
+            return Err(corrupted(format!(
+                "set_no_evict on slot {} in {c:?}",
+                r.index
+            )));
         }
+        s.info.fetch_or(INFO_NO_EVICT, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// One step of the CLOCK hand at slot `i`: a sealed, unpinned, evictable object that
+    /// was not used since the last pass is deleted (as by [`delete`](Self::delete)) and its
+    /// slot and entry returned for freeing; a used one loses its referenced bit instead.
+    /// Pinned objects are skipped, never waited for.
+    pub(crate) fn clock_step(&self, i: usize) -> Result<Option<(SlotRef, Entry)>> {
+        let Some(s) = self.slots.get(i) else {
+            return Ok(None);
+        };
+        let c = Ctl(s.ctl.load(Ordering::Acquire));
+        if c.state() != SEALED || c.pins() != 0 {
+            return Ok(None);
+        }
+        let info = s.info.load(Ordering::Relaxed);
+        if info & INFO_NO_EVICT != 0 {
+            return Ok(None);
+        }
+        if info & INFO_REFERENCED != 0 {
+            s.info.fetch_and(!INFO_REFERENCED, Ordering::Relaxed);
+            return Ok(None);
+        }
+        // Read the id while the generation is known; retire re-checks ctl exactly.
+        let mut w = [0u64; 4];
+        for (k, x) in w.iter_mut().enumerate() {
+            *x = s.id[k].load(Ordering::Relaxed);
+        }
+        fence(Ordering::Acquire);
+        if s.ctl.load(Ordering::Relaxed) != c.0 {
+            return Ok(None);
+        }
+        let id = ObjectId::from_words(w);
+        let r = SlotRef {
+            index: i as u32,
+            gen: c.gen(),
+        };
+        // Only an unpinned object may go: a pin taken meanwhile makes the CAS fail.
+        let n = Ctl::new(DELETED, 1, c.gen());
+        if s.ctl
+            .compare_exchange(c.0, n.0, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return Ok(None);
+        }
+        self.unlink(&id, r)?;
+        Ok(self.unpin(r)?.map(|e| (r, e)))
     }
 
     /// Pins `id`, waiting until it is sealed or `deadline` passes (`None`: try once).

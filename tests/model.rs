@@ -93,11 +93,31 @@ fn full_store_then_recovery() {
 fn regression_existing_id_in_full_store_is_already_exists() {
     let mut h = Harness::new();
     for op in [
-        Op::Put { key: 9, len: 20481, fill: 0 },
-        Op::Create { key: 3, len: 0, fill: 0 },
-        Op::Create { key: 2, len: 65, fill: 0 },
-        Op::Put { key: 4, len: 200, fill: 0 },
-        Op::Put { key: 1, len: 419, fill: 116 },
+        Op::Put {
+            key: 9,
+            len: 20481,
+            fill: 0,
+        },
+        Op::Create {
+            key: 3,
+            len: 0,
+            fill: 0,
+        },
+        Op::Create {
+            key: 2,
+            len: 65,
+            fill: 0,
+        },
+        Op::Put {
+            key: 4,
+            len: 200,
+            fill: 0,
+        },
+        Op::Put {
+            key: 1,
+            len: 419,
+            fill: 116,
+        },
     ] {
         h.apply(&op).unwrap();
     }
@@ -112,21 +132,57 @@ fn regression_small_request_uses_an_unaligned_run() {
     let mut h = Harness::new();
     for op in [
         Op::Seal { handle: 0 },
-        Op::Create { key: 0, len: 0, fill: 0 },
-        Op::Put { key: 2, len: 16385, fill: 0 },
-        Op::Create { key: 4, len: 16385, fill: 0 },
+        Op::Create {
+            key: 0,
+            len: 0,
+            fill: 0,
+        },
+        Op::Put {
+            key: 2,
+            len: 16385,
+            fill: 0,
+        },
+        Op::Create {
+            key: 4,
+            len: 16385,
+            fill: 0,
+        },
         Op::Seal { handle: 133 },
-        Op::Create { key: 6, len: 65, fill: 0 },
+        Op::Create {
+            key: 6,
+            len: 65,
+            fill: 0,
+        },
         Op::Seal { handle: 19 },
         Op::Abort { handle: 0 },
         Op::Delete { key: 2 },
-        Op::Create { key: 7, len: 129, fill: 0 },
-        Op::Create { key: 2, len: 24577, fill: 0 },
+        Op::Create {
+            key: 7,
+            len: 129,
+            fill: 0,
+        },
+        Op::Create {
+            key: 2,
+            len: 24577,
+            fill: 0,
+        },
         Op::Seal { handle: 91 },
-        Op::Put { key: 0, len: 0, fill: 0 },
+        Op::Put {
+            key: 0,
+            len: 0,
+            fill: 0,
+        },
         Op::Delete { key: 2 },
-        Op::Create { key: 2, len: 16385, fill: 0 },
-        Op::Create { key: 0, len: 0, fill: 0 },
+        Op::Create {
+            key: 2,
+            len: 16385,
+            fill: 0,
+        },
+        Op::Create {
+            key: 0,
+            len: 0,
+            fill: 0,
+        },
     ] {
         h.apply(&op).unwrap();
     }

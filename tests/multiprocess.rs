@@ -109,6 +109,15 @@ fn child_entry() {
             }
             say(format!("won {won}"));
         }
+        // Wait for space in a full store, then create.
+        "create-wait" => {
+            say("attached");
+            let c = store
+                .create_object_wait(&id(&args[1]), 256 << 10, Duration::from_secs(30))
+                .unwrap();
+            c.seal().unwrap();
+            say("created");
+        }
         // Attach read-only: creating is refused, and writing through a view faults.
         "write-readonly" => {
             drop(store);
@@ -314,4 +323,27 @@ fn read_only_attach_refuses_creates_and_the_kernel_faults_writes() {
     let status = p.child.wait().unwrap();
     assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}");
     assert!(store.try_get(&id).unwrap().iter().all(|&b| b == 42));
+}
+
+#[test]
+fn creator_blocked_on_a_full_store_in_another_process_wakes_when_space_is_freed() {
+    let (store, _c) = new_store("backpressure", 1 << 20);
+    let blocks: Vec<ObjectId> = (0..4u64)
+        .map(|k| {
+            let data = bytes(k, 256 << 10);
+            let id = ObjectId::of_content(&data);
+            store.put(&id, &data).unwrap();
+            id
+        })
+        .collect();
+    let want = ObjectId::of_key("waiting");
+    let mut p = child("create-wait", &store, &[want.to_string()]);
+    assert_eq!(p.recv(), "attached");
+    p.wait_until_blocked_in_futex(Duration::from_secs(20));
+    assert!(!store.contains(&want));
+    store.delete(&blocks[2]).unwrap();
+    assert_eq!(p.recv(), "created");
+    p.finish();
+    assert!(store.contains(&want));
+    store.check_invariants().unwrap();
 }

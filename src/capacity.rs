@@ -1,0 +1,114 @@
+//! What happens when the store is full: CLOCK eviction and back-pressure.
+//!
+//! Owns the store-wide globals (the clock hand, the eviction count, the "space freed" wait
+//! bucket). Invariants:
+//!
+//! * eviction only ever removes a **sealed, unpinned, evictable** object, through the same
+//!   DELETED -> last unpin -> free path as `delete` (see [`crate::table::Table::clock_step`]),
+//!   so a pinned object is skipped, never waited for: no head-of-line blocking;
+//! * the hand sweeps the table at most twice per allocation (once to clear referenced
+//!   bits, once to evict), so a store whose objects are all pinned fails with `Full`
+//!   after a bounded amount of work;
+//! * every freed block bumps the space bucket, so a creator waiting for space wakes at
+//!   once; a pin dropped in an evicting store nudges it too (best effort, and waiters
+//!   re-check at least every [`SPACE_RECHECK`] regardless).
+
+use crate::alloc::{Allocator, Block};
+use crate::error::{Error, Result};
+use crate::sync::{AtomicU64, Ordering};
+use crate::table::{Entry, SlotRef, Table, WaitBucket};
+use std::time::{Duration, Instant};
+
+/// How often a creator waiting for space re-checks even without a wake.
+pub(crate) const SPACE_RECHECK: Duration = Duration::from_millis(10);
+
+/// What `create` does when no block is free.
+///
+/// ```
+/// use shmstore::{StoreConfig, WhenFull};
+/// let cache = StoreConfig { when_full: WhenFull::Evict, ..StoreConfig::with_capacity(1 << 20) };
+/// assert_eq!(cache.when_full, WhenFull::Evict);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WhenFull {
+    /// Return [`Error::Full`] (or wait, with `create_object_wait`).
+    #[default]
+    Fail,
+    /// Evict sealed, unpinned objects in least-recently-used order (CLOCK) until the
+    /// request fits; objects marked with [`crate::Creation::set_evictable`]`(false)` stay.
+    Evict,
+}
+
+/// Store-wide mutable globals (128 bytes at `Superblock::globals_offset`).
+#[repr(C)]
+#[derive(Default)]
+pub(crate) struct Globals {
+    /// Next table slot the CLOCK hand looks at.
+    pub clock_hand: AtomicU64,
+    /// Objects evicted since the store was created.
+    pub evictions: AtomicU64,
+    _pad: [u64; 6],
+    /// Bumped whenever a block is freed; creators waiting for space sleep on it.
+    pub space: WaitBucket,
+}
+
+const _: () = assert!(std::mem::size_of::<Globals>() as u64 == crate::layout::GLOBALS_SIZE);
+
+/// Runs the CLOCK hand until `alloc` succeeds or two sweeps found nothing to evict.
+/// `reclaim` frees an evicted object's block and slot.
+pub(crate) fn evict_until_fits(
+    globals: &Globals,
+    table: &Table<'_>,
+    alloc: &Allocator<'_>,
+    need: u64,
+    mut reclaim: impl FnMut(SlotRef, Entry) -> Result<()>,
+) -> Result<Block> {
+    let n = table.capacity();
+    let mut last = None;
+    for _ in 0..2 * n {
+        let i = globals.clock_hand.fetch_add(1, Ordering::Relaxed) % n;
+        if let Some((r, e)) = table.clock_step(i as usize)? {
+            reclaim(r, e)?;
+            globals.evictions.fetch_add(1, Ordering::Relaxed);
+            match alloc.alloc(need) {
+                Ok(b) => return Ok(b),
+                Err(e @ Error::Full { .. }) => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    match last {
+        Some(e) => Err(e),
+        None => alloc.alloc(need),
+    }
+}
+
+/// Retries `attempt` while it fails with `Full`, sleeping on the space bucket between
+/// tries, until `deadline`. Returns the last `Full` when time runs out.
+pub(crate) fn wait_for_space<T>(
+    globals: &Globals,
+    deadline: Instant,
+    mut attempt: impl FnMut() -> Result<T>,
+) -> Result<T> {
+    match attempt() {
+        Err(Error::Full { .. }) => {}
+        other => return other,
+    }
+    let space = &globals.space;
+    let mut seq = space.register();
+    let result = loop {
+        match attempt() {
+            Err(e @ Error::Full { .. }) => {
+                let now = Instant::now();
+                if now >= deadline {
+                    break Err(e);
+                }
+                space.sleep(seq, (deadline - now).min(SPACE_RECHECK));
+                seq = space.sequence();
+            }
+            other => break other,
+        }
+    };
+    space.unregister();
+    result
+}
