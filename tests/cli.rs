@@ -48,6 +48,7 @@ fn stat_ls_and_rm_a_live_store() {
     assert_eq!(field(&out, "clients_alive"), 1);
     assert_eq!(field(&out, "clients_dead"), 0);
     assert_eq!(field(&out, "capacity"), 4 << 20);
+    assert_eq!(field(&out, "evictions"), 0);
 
     let (ok, out, _) = shmstore(&["stat", &name]);
     assert!(

@@ -46,9 +46,9 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
     let others = st.clients.saturating_sub(1);
     if json {
         println!(
-            "{{\"capacity\":{},\"used\":{},\"free\":{},\"largest_free\":{},\"objects\":{},\"creating\":{},\"draining\":{},\"pinned\":{},\"pins\":{},\"clients_alive\":{},\"clients_dead\":{},\"table_slots\":{}}}",
+            "{{\"capacity\":{},\"used\":{},\"free\":{},\"largest_free\":{},\"objects\":{},\"creating\":{},\"draining\":{},\"pinned\":{},\"pins\":{},\"clients_alive\":{},\"clients_dead\":{},\"evictions\":{},\"table_slots\":{}}}",
             st.capacity, st.used, st.free, st.largest_free, st.objects, st.creating, st.draining,
-            st.pinned, st.pins, others, st.dead_clients, st.table_slots
+            st.pinned, st.pins, others, st.dead_clients, st.evictions, st.table_slots
         );
         return Ok(());
     }
@@ -74,6 +74,7 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
         ),
         ("clients alive", others.to_string()),
         ("clients dead", st.dead_clients.to_string()),
+        ("evictions", st.evictions.to_string()),
         ("table slots", st.table_slots.to_string()),
     ];
     for (k, v) in rows {
