@@ -296,3 +296,39 @@ fn loom_abort_races_get() {
         assert_eq!(t.count_live(), 0);
     });
 }
+
+/// The CLOCK hand races a get of its victim: an object is never evicted while pinned
+/// (either the get pins first and the eviction backs off, or the get finds it gone).
+#[test]
+fn loom_eviction_races_pin() {
+    loom::model(|| {
+        let h = Arc::new(HeapTable::new(32));
+        let id = ObjectId::of_key("victim");
+        let t = h.get();
+        let r = t.insert(&id, &entry(0)).unwrap();
+        t.seal(&id, r).unwrap();
+        // First pass of the hand: clears the referenced bit.
+        assert!(t.clock_step(r.index as usize).unwrap().is_none());
+        let hand = {
+            let h = h.clone();
+            thread::spawn(move || h.get().clock_step(r.index as usize).unwrap())
+        };
+        let getter = {
+            let h = h.clone();
+            thread::spawn(move || match h.get().pin(&id).unwrap() {
+                Pin::Pinned(r, e) => Some((r, e)),
+                _ => None,
+            })
+        };
+        let evicted = hand.join().unwrap();
+        let pinned = getter.join().unwrap();
+        assert!(
+            !(evicted.is_some() && pinned.is_some()),
+            "evicted an object while it was pinned"
+        );
+        assert!(evicted.is_some() || pinned.is_some());
+        if let Some((r, _)) = pinned {
+            assert!(t.unpin(r).unwrap().is_none());
+        }
+    });
+}

@@ -611,9 +611,14 @@ impl<'a> Table<'a> {
             gen: c.gen(),
         };
         // Only an unpinned object may go: a pin taken meanwhile makes the CAS fail.
-        let n = Ctl::new(DELETED, 1, c.gen());
+        let mut expect = c;
+        if cfg!(shmstore_mutation = "evict_pinned") {
+            // Deliberate bug, for docs/verification.md: evict whatever the pins are now.
+            expect = Ctl(s.ctl.load(Ordering::Acquire));
+        }
+        let n = Ctl::new(DELETED, expect.pins() + 1, c.gen());
         if s.ctl
-            .compare_exchange(c.0, n.0, Ordering::AcqRel, Ordering::Relaxed)
+            .compare_exchange(expect.0, n.0, Ordering::AcqRel, Ordering::Relaxed)
             .is_err()
         {
             return Ok(None);
