@@ -537,18 +537,7 @@ impl<'a> Allocator<'a> {
             let _ = self
                 .hint(class)
                 .compare_exchange(h, 0, Ordering::AcqRel, Ordering::Relaxed);
-            if self.slabs[s]
-                .state
-                .compare_exchange(tag, 0, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-            {
-                self.partial_word(class, s)
-                    .fetch_and(!(1u64 << (s % 64)), Ordering::AcqRel);
-                let first = s as u64 * PAGES_PER_SLAB;
-                self.release_range(first, first + PAGES_PER_SLAB);
-                self.lower_hint(first);
-                freed = true;
-            }
+            freed |= self.try_retire(s, class);
         }
         freed
     }
@@ -600,17 +589,26 @@ impl<'a> Allocator<'a> {
         if st - 1 != tag || self.hint(class).load(Ordering::Relaxed) == s as u64 + 1 {
             return;
         }
-        if d.state
+        self.try_retire(s, class);
+    }
+
+    /// Retires slab `s` of `class` if its `live` count is zero: one CAS to state 0 (after
+    /// which no claimer can reserve in it), then its pages go back. Returns whether it did.
+    fn try_retire(&self, s: usize, class: usize) -> bool {
+        let tag = (class as u64 + 1) << 16;
+        if self.slabs[s]
+            .state
             .compare_exchange(tag, 0, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
+            .is_err()
         {
-            // Live was 0 and no claimer can reserve any more: the unit is ours to return.
-            self.partial_word(class, s)
-                .fetch_and(!(1u64 << (s % 64)), Ordering::AcqRel);
-            let first = s as u64 * PAGES_PER_SLAB;
-            self.release_range(first, first + PAGES_PER_SLAB);
-            self.lower_hint(first);
+            return false;
         }
+        self.partial_word(class, s)
+            .fetch_and(!(1u64 << (s % 64)), Ordering::AcqRel);
+        let first = s as u64 * PAGES_PER_SLAB;
+        self.release_range(first, first + PAGES_PER_SLAB);
+        self.lower_hint(first);
+        true
     }
 
     fn free_small(&self, class: usize, offset: u64) -> Result<()> {
