@@ -13,7 +13,7 @@
 //! h.apply(&Op::Delete { key: 1 }).unwrap();
 //! ```
 
-use crate::{Creation, Error, ObjectId, Store, StoreConfig, View};
+use crate::{Creation, Error, ObjectId, Store, StoreConfig, View, WhenFull};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -62,9 +62,14 @@ fn content(len: u16, fill: u8) -> Vec<u8> {
 pub struct Harness {
     store: Store,
     creations: Vec<(u8, Creation, Vec<u8>)>,
-    views: Vec<(View, Vec<u8>)>,
-    sealed: BTreeMap<u8, Vec<u8>>,
+    /// Held views: the view, its expected bytes, and which incarnation of its key it pins.
+    views: Vec<(View, Vec<u8>, u64)>,
+    /// Sealed objects: bytes and incarnation (a counter bumped per successful create).
+    sealed: BTreeMap<u8, (Vec<u8>, u64)>,
     creating: BTreeSet<u8>,
+    incarnation: u64,
+    evicts: bool,
+    evicted: u64,
 }
 
 impl Default for Harness {
@@ -74,13 +79,21 @@ impl Default for Harness {
 }
 
 impl Harness {
-    /// A fresh anonymous store of [`CAPACITY`] bytes.
+    /// A fresh anonymous store of [`CAPACITY`] bytes that fails when full.
     pub fn new() -> Self {
+        Self::with_policy(WhenFull::Fail)
+    }
+
+    /// A fresh anonymous store of [`CAPACITY`] bytes with the given full-store policy.
+    /// With [`WhenFull::Evict`], objects may vanish between steps; the harness then checks
+    /// that each one was sealed, unpinned and evictable, and counts it.
+    pub fn with_policy(when_full: WhenFull) -> Self {
         let cfg = StoreConfig {
             max_objects: 32,
             max_clients: 4,
             holds_per_client: 64,
             prefault: false,
+            when_full,
             ..StoreConfig::with_capacity(CAPACITY)
         };
         Harness {
@@ -89,7 +102,34 @@ impl Harness {
             views: Vec::new(),
             sealed: BTreeMap::new(),
             creating: BTreeSet::new(),
+            incarnation: 0,
+            evicts: when_full == WhenFull::Evict,
+            evicted: 0,
         }
+    }
+
+    /// Drops evicted objects from the model, after checking that none was pinned.
+    fn reconcile_evictions(&mut self) -> Result<(), String> {
+        let gone: Vec<u8> = self
+            .sealed
+            .keys()
+            .copied()
+            .filter(|k| !self.store.contains(&id(*k)))
+            .collect();
+        for k in gone {
+            if !self.evicts {
+                return Err(format!(
+                    "object {k} vanished from a store that does not evict"
+                ));
+            }
+            let inc = self.sealed[&k].1;
+            if self.views.iter().any(|v| v.0.id() == id(k) && v.2 == inc) {
+                return Err(format!("object {k} was evicted while a view pinned it"));
+            }
+            self.sealed.remove(&k);
+            self.evicted += 1;
+        }
+        Ok(())
     }
 
     /// The store under test.
@@ -121,9 +161,9 @@ impl Harness {
         }
     }
 
-    fn keep_view(&mut self, v: View, expect: Vec<u8>) {
+    fn keep_view(&mut self, v: View, expect: Vec<u8>, incarnation: u64) {
         if self.views.len() < MAX_HANDLES {
-            self.views.push((v, expect));
+            self.views.push((v, expect, incarnation));
         }
     }
 
@@ -131,6 +171,8 @@ impl Harness {
     /// invariant. An `Err` describes the first disagreement.
     pub fn apply(&mut self, op: &Op) -> Result<(), String> {
         self.step(op).map_err(|e| format!("{op:?}: {e}"))?;
+        self.reconcile_evictions()
+            .map_err(|e| format!("after {op:?}: {e}"))?;
         self.check().map_err(|e| format!("after {op:?}: {e}"))
     }
 
@@ -156,7 +198,8 @@ impl Harness {
                     (Ok(_), true) => return Err("created an id that exists".into()),
                     (Err(e), false) => self.check_full(&e)?,
                     (Ok(None), false) => {
-                        self.sealed.insert(key, data);
+                        self.incarnation += 1;
+                        self.sealed.insert(key, (data, self.incarnation));
                     }
                     (Ok(Some(c)), false) => {
                         self.creating.insert(key);
@@ -175,7 +218,8 @@ impl Harness {
                 if matches!(op, Op::Seal { .. }) {
                     c.copy_from_slice(&data);
                     c.seal().map_err(|e| format!("seal: {e:?}"))?;
-                    self.sealed.insert(key, data);
+                    self.incarnation += 1;
+                    self.sealed.insert(key, (data, self.incarnation));
                 } else {
                     c.abort();
                 }
@@ -188,12 +232,12 @@ impl Harness {
                     s.get(&id(key), Duration::ZERO)
                 };
                 match (r, self.sealed.get(&key)) {
-                    (Ok(v), Some(want)) => {
+                    (Ok(v), Some((want, inc))) => {
                         if &v[..] != want.as_slice() {
                             return Err("view bytes differ from what was sealed".into());
                         }
-                        let want = want.clone();
-                        self.keep_view(v, want);
+                        let (want, inc) = (want.clone(), *inc);
+                        self.keep_view(v, want, inc);
                     }
                     (Ok(_), None) => return Err("got an object that is not sealed".into()),
                     (Err(Error::NotFound { .. }), None) if matches!(op, Op::Get { .. }) => {}
@@ -211,8 +255,8 @@ impl Harness {
                     .0
                     .try_clone()
                     .map_err(|e| format!("try_clone: {e:?}"))?;
-                let want = self.views[k].1.clone();
-                self.keep_view(v, want);
+                let (want, inc) = (self.views[k].1.clone(), self.views[k].2);
+                self.keep_view(v, want, inc);
             }
             Op::DropView { view } => {
                 if !self.views.is_empty() {
@@ -252,7 +296,7 @@ impl Harness {
     /// Every invariant: held views unchanged (even after their object was deleted), the
     /// allocator and table consistent (`check_invariants`), and stats equal to the model.
     pub fn check(&self) -> Result<(), String> {
-        for (v, want) in &self.views {
+        for (v, want, _) in &self.views {
             if &v[..] != want.as_slice() {
                 return Err(format!("a pinned view of {} changed", v.id()));
             }
@@ -269,6 +313,12 @@ impl Harness {
             self.creating.len() as u64,
             self.views.len() as u64,
         );
+        if st.evictions != self.evicted {
+            return Err(format!(
+                "stats count {} evictions, the model saw {}",
+                st.evictions, self.evicted
+            ));
+        }
         if (st.objects, st.creating, st.pins) != want {
             return Err(format!(
                 "stats {st:?} disagree with model (objects, creating, pins) = {want:?}"
@@ -277,6 +327,7 @@ impl Harness {
         let live: u64 = self
             .sealed
             .values()
+            .map(|d| &d.0)
             .chain(self.creations.iter().map(|c| &c.2))
             .map(|d| d.len() as u64)
             .sum();

@@ -3,6 +3,7 @@
 
 use proptest::prelude::*;
 use shmstore::testing::{Harness, Op};
+use shmstore::WhenFull;
 
 fn op() -> impl Strategy<Value = Op> {
     let key = 0u8..10;
@@ -31,6 +32,19 @@ proptest! {
     #[test]
     fn store_agrees_with_model(ops in proptest::collection::vec(op(), 1..120)) {
         let mut h = Harness::new();
+        for op in &ops {
+            if let Err(e) = h.apply(op) {
+                return Err(TestCaseError::fail(e));
+            }
+        }
+        h.drain().map_err(TestCaseError::fail)?;
+    }
+
+    /// The same with eviction on: objects may vanish only if sealed, unpinned and
+    /// evictable, pinned views never change, and the eviction count matches.
+    #[test]
+    fn evicting_store_agrees_with_model(ops in proptest::collection::vec(op(), 1..120)) {
+        let mut h = Harness::with_policy(WhenFull::Evict);
         for op in &ops {
             if let Err(e) = h.apply(op) {
                 return Err(TestCaseError::fail(e));
@@ -186,5 +200,28 @@ fn regression_small_request_uses_an_unaligned_run() {
     ] {
         h.apply(&op).unwrap();
     }
+    h.drain().unwrap();
+}
+
+#[test]
+fn evicting_harness_really_evicts() {
+    let mut h = Harness::with_policy(WhenFull::Evict);
+    h.apply(&Op::Put {
+        key: 0,
+        len: 60_000,
+        fill: 0,
+    })
+    .unwrap();
+    h.apply(&Op::Get { key: 0 }).unwrap(); // pinned: must survive
+    for k in 1..8 {
+        h.apply(&Op::Put {
+            key: k,
+            len: 60_000,
+            fill: k,
+        })
+        .unwrap();
+    }
+    assert!(h.store().stats().evictions >= 3);
+    assert!(h.store().contains(&shmstore::ObjectId::of_key([0u8])));
     h.drain().unwrap();
 }
