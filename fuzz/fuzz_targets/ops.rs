@@ -1,10 +1,13 @@
-//! Operation sequences against the model (the same `Op` and harness as tests/model.rs).
+//! Operation sequences against the model (the same `Op` and harness as tests/model.rs),
+//! on a store that fails when full or, for odd-length sequences, one that evicts.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use shmstore::testing::{Harness, Op};
+use shmstore::WhenFull;
 
 fuzz_target!(|ops: Vec<Op>| {
-    let mut h = Harness::new();
+    let policy = if ops.len() % 2 == 0 { WhenFull::Fail } else { WhenFull::Evict };
+    let mut h = Harness::with_policy(policy);
     for op in ops.iter().take(256) {
         if let Err(e) = h.apply(op) {
             panic!("model disagreement: {e}");
