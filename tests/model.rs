@@ -5,6 +5,14 @@ use proptest::prelude::*;
 use shmstore::testing::{Harness, Op};
 use shmstore::WhenFull;
 
+/// Applies every op to a fresh harness, then drains it: the first disagreement, if any.
+fn replay(mut h: Harness, ops: &[Op]) -> Result<(), String> {
+    for op in ops {
+        h.apply(op)?;
+    }
+    h.drain()
+}
+
 fn op() -> impl Strategy<Value = Op> {
     let key = 0u8..10;
     // Lengths from empty to beyond a slab (64 KiB): both allocator layers and `Full`.
@@ -31,56 +39,44 @@ proptest! {
 
     #[test]
     fn store_agrees_with_model(ops in proptest::collection::vec(op(), 1..120)) {
-        let mut h = Harness::new();
-        for op in &ops {
-            if let Err(e) = h.apply(op) {
-                return Err(TestCaseError::fail(e));
-            }
-        }
-        h.drain().map_err(TestCaseError::fail)?;
+        replay(Harness::new(), &ops).map_err(TestCaseError::fail)?;
     }
 
     /// The same with eviction on: objects may vanish only if sealed, unpinned and
     /// evictable, pinned views never change, and the eviction count matches.
     #[test]
     fn evicting_store_agrees_with_model(ops in proptest::collection::vec(op(), 1..120)) {
-        let mut h = Harness::with_policy(WhenFull::Evict);
-        for op in &ops {
-            if let Err(e) = h.apply(op) {
-                return Err(TestCaseError::fail(e));
-            }
-        }
-        h.drain().map_err(TestCaseError::fail)?;
+        replay(Harness::with_policy(WhenFull::Evict), &ops).map_err(TestCaseError::fail)?;
     }
 }
 
 #[test]
 fn views_survive_delete_and_reuse_of_their_memory() {
-    let mut h = Harness::new();
-    for op in [
-        Op::Put {
-            key: 1,
-            len: 3000,
-            fill: 1,
-        },
-        Op::Get { key: 1 },
-        Op::Delete { key: 1 },
-        Op::Put {
-            key: 1,
-            len: 3000,
-            fill: 2,
-        },
-        Op::Put {
-            key: 2,
-            len: 3000,
-            fill: 3,
-        },
-        Op::Get { key: 1 },
-        Op::DropView { view: 0 },
-    ] {
-        h.apply(&op).unwrap();
-    }
-    h.drain().unwrap();
+    replay(
+        Harness::new(),
+        &[
+            Op::Put {
+                key: 1,
+                len: 3000,
+                fill: 1,
+            },
+            Op::Get { key: 1 },
+            Op::Delete { key: 1 },
+            Op::Put {
+                key: 1,
+                len: 3000,
+                fill: 2,
+            },
+            Op::Put {
+                key: 2,
+                len: 3000,
+                fill: 3,
+            },
+            Op::Get { key: 1 },
+            Op::DropView { view: 0 },
+        ],
+    )
+    .unwrap();
 }
 
 #[test]
@@ -105,37 +101,37 @@ fn full_store_then_recovery() {
 /// (the block was allocated before the table was asked). It must say `AlreadyExists`.
 #[test]
 fn regression_existing_id_in_full_store_is_already_exists() {
-    let mut h = Harness::new();
-    for op in [
-        Op::Put {
-            key: 9,
-            len: 20481,
-            fill: 0,
-        },
-        Op::Create {
-            key: 3,
-            len: 0,
-            fill: 0,
-        },
-        Op::Create {
-            key: 2,
-            len: 65,
-            fill: 0,
-        },
-        Op::Put {
-            key: 4,
-            len: 200,
-            fill: 0,
-        },
-        Op::Put {
-            key: 1,
-            len: 419,
-            fill: 116,
-        },
-    ] {
-        h.apply(&op).unwrap();
-    }
-    h.drain().unwrap();
+    replay(
+        Harness::new(),
+        &[
+            Op::Put {
+                key: 9,
+                len: 20481,
+                fill: 0,
+            },
+            Op::Create {
+                key: 3,
+                len: 0,
+                fill: 0,
+            },
+            Op::Create {
+                key: 2,
+                len: 65,
+                fill: 0,
+            },
+            Op::Put {
+                key: 4,
+                len: 200,
+                fill: 0,
+            },
+            Op::Put {
+                key: 1,
+                len: 419,
+                fill: 116,
+            },
+        ],
+    )
+    .unwrap();
 }
 
 /// Found by the property test: a 1-byte create failed with `Full` while a 64 KiB run was
@@ -143,64 +139,64 @@ fn regression_existing_id_in_full_store_is_already_exists() {
 /// page run.
 #[test]
 fn regression_small_request_uses_an_unaligned_run() {
-    let mut h = Harness::new();
-    for op in [
-        Op::Seal { handle: 0 },
-        Op::Create {
-            key: 0,
-            len: 0,
-            fill: 0,
-        },
-        Op::Put {
-            key: 2,
-            len: 16385,
-            fill: 0,
-        },
-        Op::Create {
-            key: 4,
-            len: 16385,
-            fill: 0,
-        },
-        Op::Seal { handle: 133 },
-        Op::Create {
-            key: 6,
-            len: 65,
-            fill: 0,
-        },
-        Op::Seal { handle: 19 },
-        Op::Abort { handle: 0 },
-        Op::Delete { key: 2 },
-        Op::Create {
-            key: 7,
-            len: 129,
-            fill: 0,
-        },
-        Op::Create {
-            key: 2,
-            len: 24577,
-            fill: 0,
-        },
-        Op::Seal { handle: 91 },
-        Op::Put {
-            key: 0,
-            len: 0,
-            fill: 0,
-        },
-        Op::Delete { key: 2 },
-        Op::Create {
-            key: 2,
-            len: 16385,
-            fill: 0,
-        },
-        Op::Create {
-            key: 0,
-            len: 0,
-            fill: 0,
-        },
-    ] {
-        h.apply(&op).unwrap();
-    }
-    h.drain().unwrap();
+    replay(
+        Harness::new(),
+        &[
+            Op::Seal { handle: 0 },
+            Op::Create {
+                key: 0,
+                len: 0,
+                fill: 0,
+            },
+            Op::Put {
+                key: 2,
+                len: 16385,
+                fill: 0,
+            },
+            Op::Create {
+                key: 4,
+                len: 16385,
+                fill: 0,
+            },
+            Op::Seal { handle: 133 },
+            Op::Create {
+                key: 6,
+                len: 65,
+                fill: 0,
+            },
+            Op::Seal { handle: 19 },
+            Op::Abort { handle: 0 },
+            Op::Delete { key: 2 },
+            Op::Create {
+                key: 7,
+                len: 129,
+                fill: 0,
+            },
+            Op::Create {
+                key: 2,
+                len: 24577,
+                fill: 0,
+            },
+            Op::Seal { handle: 91 },
+            Op::Put {
+                key: 0,
+                len: 0,
+                fill: 0,
+            },
+            Op::Delete { key: 2 },
+            Op::Create {
+                key: 2,
+                len: 16385,
+                fill: 0,
+            },
+            Op::Create {
+                key: 0,
+                len: 0,
+                fill: 0,
+            },
+        ],
+    )
+    .unwrap();
 }
 
 #[test]

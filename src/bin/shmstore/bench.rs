@@ -12,8 +12,8 @@
 
 use crate::child::ids;
 use crate::ipc::{
-    filler, futex_await, futex_wake, median, now_ns, percentile, spin_until, ControlPage, Ordering,
-    Worker,
+    filler, futex_await, futex_wake, median, now_ns, p50_p99, percentile, spin_until, ControlPage,
+    Ordering, Worker,
 };
 use crate::report::{ns, ratio, Report};
 use shmstore::{Error, ObjectId, Store, StoreConfig};
@@ -329,26 +329,12 @@ pub fn run(opts: &Options) -> Result<(), String> {
         return Err("pong-futex failed".into());
     }
     w.finish();
-    let (p50, p99) = (
-        r.fig(
-            "pingpong_p50_us",
-            percentile(&mut one_way, 50.0) as f64 / 1e3,
-        ),
-        r.fig(
-            "pingpong_p99_us",
-            percentile(&mut one_way, 99.0) as f64 / 1e3,
-        ),
-    );
-    let (f50, f99) = (
-        r.fig(
-            "futex_pingpong_p50_us",
-            percentile(&mut floor, 50.0) as f64 / 1e3,
-        ),
-        r.fig(
-            "futex_pingpong_p99_us",
-            percentile(&mut floor, 99.0) as f64 / 1e3,
-        ),
-    );
+    let (o50, o99) = p50_p99(&mut one_way);
+    let (l50, l99) = p50_p99(&mut floor);
+    let p50 = r.fig("pingpong_p50_us", o50 as f64 / 1e3);
+    let p99 = r.fig("pingpong_p99_us", o99 as f64 / 1e3);
+    let f50 = r.fig("futex_pingpong_p50_us", l50 as f64 / 1e3);
+    let f99 = r.fig("futex_pingpong_p99_us", l99 as f64 / 1e3);
     r.row(
         "put -> get ping-pong, one way, p50 (p99)",
         format!("{p50:.2} us ({p99:.2} us)"),

@@ -2,7 +2,7 @@
 //! echo peers. Each reads commands and writes results as lines on stdin/stdout.
 
 use crate::ipc::{
-    futex_await, futex_await_at_least, futex_wake, now_ns, percentile, touch_all, ControlPage,
+    futex_await, futex_await_at_least, futex_wake, now_ns, p50_p99, touch_all, ControlPage,
     Ordering,
 };
 use shmstore::AttachOptions;
@@ -72,8 +72,7 @@ fn run(args: &[String]) -> Result<(), String> {
                     samples.push(t.elapsed().as_nanos() as u64);
                 }
             }
-            let p50 = percentile(&mut samples, 50.0);
-            let p99 = percentile(&mut samples, 99.0);
+            let (p50, p99) = p50_p99(&mut samples);
             say(format!("{p50} {p99}"));
         }
         // Tiny create + seal as fast as possible; reports elapsed ns.
@@ -122,11 +121,8 @@ fn run(args: &[String]) -> Result<(), String> {
                 let sent = u64::from_le_bytes(v[..8].try_into().map_err(|_| "short payload")?);
                 lat.push(now.saturating_sub(sent));
             }
-            say(format!(
-                "{} {}",
-                percentile(&mut lat, 50.0),
-                percentile(&mut lat, 99.0)
-            ));
+            let (p50, p99) = p50_p99(&mut lat);
+            say(format!("{p50} {p99}"));
         }
         // The same shape on a bare futex word: the floor for the measurement above.
         "wake-futex" => {
@@ -144,11 +140,8 @@ fn run(args: &[String]) -> Result<(), String> {
                 }
                 i = got;
             }
-            say(format!(
-                "{} {}",
-                percentile(&mut lat, 50.0),
-                percentile(&mut lat, 99.0)
-            ));
+            let (p50, p99) = p50_p99(&mut lat);
+            say(format!("{p50} {p99}"));
         }
         // The worker half of the bare futex ping-pong (the floor).
         "pong-futex" => {

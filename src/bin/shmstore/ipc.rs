@@ -191,6 +191,11 @@ pub fn percentile(v: &mut [u64], p: f64) -> u64 {
     v[i.min(v.len() - 1)]
 }
 
+/// The p50 and p99 of `v` (sorted in place).
+pub fn p50_p99(v: &mut [u64]) -> (u64, u64) {
+    (percentile(v, 50.0), percentile(v, 99.0))
+}
+
 /// Median of floats.
 pub fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
