@@ -23,7 +23,7 @@ mutations=(
   "lost_wakeup:loom_seal_wakes_blocked_get_and_publishes_payload"
   "no_gen_bump:loom_lookup_races_delete_and_reuse"
   "no_rollback:loom_page_runs_claim_and_roll_back"
-  "delete_without_ref:loom_pin_races_delete_frees_once"
+  "pin_acqrel:loom_pin_races_delete_frees_once"
   "evict_pinned:loom_eviction_races_pin"
 )
 failed=0

@@ -131,6 +131,21 @@ pub(crate) struct Usage {
     pub slabs: u64,
 }
 
+/// The allocator's ownership words at one moment (see [`Allocator::snapshot`]).
+pub(crate) struct Snapshot {
+    /// Page bitmap words.
+    pub pages: Vec<u64>,
+    /// Per 64 KiB unit: `state` and block bitmap.
+    pub slabs: Vec<(u64, [u64; BITMAP_WORDS])>,
+    /// Heap pages.
+    pub npages: u64,
+}
+
+/// Blocks per slab of `class` (for the sweep).
+pub(crate) fn blocks_in_slab(class: usize) -> u64 {
+    blocks_per_slab(class)
+}
+
 /// The allocator over its shared sections. Cheap to build; holds only borrows.
 pub(crate) struct Allocator<'a> {
     pages: &'a [AtomicU64],
@@ -719,6 +734,55 @@ impl<'a> Allocator<'a> {
             free_pages_bytes: capacity - page_bits * PAGE,
             largest_free: largest * PAGE,
             slabs,
+        }
+    }
+
+    /// Copies the ownership words (page bitmap, slab states and block bitmaps) for the
+    /// leak sweep. Not atomic as a whole: the sweep checks that nobody changed ownership
+    /// while it copied (see [`crate::recovery`]).
+    pub(crate) fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            pages: self
+                .pages
+                .iter()
+                .map(|w| w.load(Ordering::Acquire))
+                .collect(),
+            slabs: self
+                .slabs
+                .iter()
+                .map(|d| {
+                    let st = d.state.load(Ordering::Acquire);
+                    let mut bits = [0u64; BITMAP_WORDS];
+                    for (b, w) in bits.iter_mut().zip(&d.bits) {
+                        *b = w.load(Ordering::Acquire);
+                    }
+                    (st, bits)
+                })
+                .collect(),
+            npages: self.npages,
+        }
+    }
+
+    /// Words in the page bitmap.
+    pub(crate) fn page_words(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// Frees pages `[first, first + n)` that the leak sweep proved belong to no one.
+    pub(crate) fn free_leaked_pages(&self, first: u64, n: u64) -> Result<()> {
+        if first.checked_add(n).is_none_or(|end| end > self.npages) || n == 0 {
+            return Err(corrupted(format!("leaked run {first}+{n} out of bounds")));
+        }
+        self.free_pages(first, n)
+    }
+
+    /// Drops `k` reservations of slab `s` that no block bit stands for (a claimer died
+    /// between reserving and setting its bit); the slab may retire.
+    pub(crate) fn drop_leaked_reservations(&self, s: usize, class: usize, k: u64) {
+        if s < self.slabs.len() && class < CLASSES as usize {
+            for _ in 0..k {
+                self.release_reservation(s, class);
+            }
         }
     }
 

@@ -16,7 +16,7 @@
 use crate::alloc::{Allocator, Block};
 use crate::error::{Error, Result};
 use crate::sync::{AtomicU64, Ordering};
-use crate::table::{Entry, SlotRef, Table, WaitBucket};
+use crate::table::{Table, WaitBucket};
 use std::time::{Duration, Instant};
 
 /// How often a creator waiting for space re-checks even without a wake.
@@ -47,7 +47,16 @@ pub(crate) struct Globals {
     pub clock_hand: AtomicU64,
     /// Objects evicted since the store was created.
     pub evictions: AtomicU64,
-    _pad: [u64; 6],
+    /// Dead clients whose slots recovery returned.
+    pub recovered_clients: AtomicU64,
+    /// Bytes recovery and the leak sweep gave back to the allocator.
+    pub reclaimed_bytes: AtomicU64,
+    /// Recoveries that found a client dead inside an allocator step: the leak sweep owes
+    /// them a pass (see `crate::recovery`).
+    pub sweeps_owed: AtomicU64,
+    /// `client + 1` of the process running the leak sweep, 0 if none.
+    pub sweeper: AtomicU64,
+    _pad: [u64; 2],
     /// Bumped whenever a block is freed; creators waiting for space sleep on it.
     pub space: WaitBucket,
 }
@@ -55,20 +64,19 @@ pub(crate) struct Globals {
 const _: () = assert!(std::mem::size_of::<Globals>() as u64 == crate::layout::GLOBALS_SIZE);
 
 /// Runs the CLOCK hand until `alloc` succeeds or two sweeps found nothing to evict.
-/// `reclaim` frees an evicted object's block and slot.
+/// An evicted object's block is freed by the table (through the store's reclaimer) as
+/// soon as no pin counter holds it, which is at once unless a get raced the hand.
 pub(crate) fn evict_until_fits(
     globals: &Globals,
     table: &Table<'_>,
     alloc: &Allocator<'_>,
     need: u64,
-    mut reclaim: impl FnMut(SlotRef, Entry) -> Result<()>,
 ) -> Result<Block> {
     let n = table.capacity();
     let mut last = None;
     for _ in 0..2 * n {
         let i = globals.clock_hand.fetch_add(1, Ordering::Relaxed) % n;
-        if let Some((r, e)) = table.clock_step(i as usize)? {
-            reclaim(r, e)?;
+        if table.clock_step(i as usize)? {
             globals.evictions.fetch_add(1, Ordering::Relaxed);
             match alloc.alloc(need) {
                 Ok(b) => return Ok(b),

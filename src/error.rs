@@ -134,10 +134,18 @@ pub enum Error {
         /// Client slots in the store.
         max: u32,
     },
-    /// This process holds the maximum number of pins and unfinished creations.
-    TooManyHolds {
-        /// The per-process limit.
+    /// This process holds the maximum number of pins on one object.
+    TooManyPins {
+        /// The per-process, per-object limit.
         limit: u32,
+    },
+    /// The process creating the object died (or detached) before sealing it; a get
+    /// waiting for it gives up instead of waiting out its timeout.
+    CreatorDied {
+        /// The object.
+        id: ObjectId,
+        /// Process id of the creator.
+        pid: u64,
     },
     /// The store was attached read-only; this operation writes objects.
     ReadOnly {
@@ -255,10 +263,15 @@ impl fmt::Display for Error {
                 "all {max} client slots are taken: detach idle processes or create the store \
                  with more max_clients"
             ),
-            Error::TooManyHolds { limit } => write!(
+            Error::TooManyPins { limit } => write!(
                 f,
-                "this process already holds {limit} pins and unfinished creations: drop views \
-                 you no longer need, or create the store with a larger holds_per_client"
+                "this process already holds {limit} views of one object: drop views you no \
+                 longer need (a clone of a view is another pin)"
+            ),
+            Error::CreatorDied { id, pid } => write!(
+                f,
+                "object {id} will never be sealed: the process creating it (pid {pid}) died \
+                 or detached first; its memory has been reclaimed, so create it again"
             ),
             Error::ReadOnly { op } => write!(
                 f,

@@ -17,7 +17,8 @@
 //!          partial bitmaps   CLASSES x slabs/64    "slab of class c may have a free block"
 //!          table buckets     slots x 8 B           hopscotch neighbourhood bitmaps
 //!          table slots       slots x 64 B          one cache line per object
-//!          clients           max_clients x stride  liveness and hold records
+//!          pin counters      slots x stride x 2 B  one u16 per (slot, client), slot-major
+//!          clients           max_clients x 256 B   liveness, recovery state, op counters
 //! 64 KiB-aligned
 //!          heap              capacity bytes        payloads (slabs and page runs)
 //! ```
@@ -30,7 +31,7 @@ use std::path::Path;
 /// Magic bytes at offset 0.
 pub(crate) const MAGIC: [u8; 8] = *b"SHMSTORE";
 /// Layout version; bump on any incompatible change.
-pub(crate) const LAYOUT_VERSION: u32 = 1;
+pub(crate) const LAYOUT_VERSION: u32 = 2;
 /// Heap page size: large objects are page-aligned runs of these.
 pub(crate) const PAGE: u64 = 4096;
 /// Slab unit: small objects live in 64 KiB slabs aligned to 64 KiB.
@@ -45,7 +46,9 @@ pub(crate) const NEIGHBORHOOD: u64 = 32;
 pub(crate) const GLOBALS_SIZE: u64 = 128;
 /// Superblock flag: evict least-recently-used objects when full instead of failing.
 pub(crate) const FLAG_EVICT: u64 = 1;
-/// Size of the per-client fixed header, before its hold bitmap and records.
+/// Superblock flag: remove the store's file when its last client detaches.
+pub(crate) const FLAG_REMOVE_WHEN_UNUSED: u64 = 2;
+/// Size of one client slot.
 pub(crate) const CLIENT_HEADER: u64 = 256;
 /// Largest per-object metadata blob.
 pub(crate) const MAX_META: u64 = 4096;
@@ -79,18 +82,19 @@ pub(crate) struct Superblock {
     pub table_slots: u64,
     pub clients_offset: u64,
     pub max_clients: u64,
-    pub holds_per_client: u64,
+    pub pins_offset: u64,
     pub client_stride: u64,
     pub globals_offset: u64,
     pub created_unix_ns: u64,
     pub flags: u64,
-    pub _reserved: [u64; 8],
+    pub pin_stride: u64,
+    pub _reserved: [u64; 7],
     pub checksum: u64,
 }
 
 const _: () = assert!(std::mem::size_of::<Superblock>() == 256);
 
-/// The four numbers every section's size derives from.
+/// The three numbers every section's size derives from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Params {
     /// Heap bytes (a multiple of [`SLAB`]).
@@ -99,8 +103,6 @@ pub(crate) struct Params {
     pub table_slots: u64,
     /// Client slots.
     pub max_clients: u64,
-    /// Hold records per client (a multiple of 64).
-    pub holds_per_client: u64,
 }
 
 /// Section offsets computed from [`Params`].
@@ -132,15 +134,6 @@ impl Params {
         if self.max_clients == 0 || self.max_clients > 4096 {
             return bad(format!("max_clients {} must be 1..=4096", self.max_clients));
         }
-        if self.holds_per_client == 0
-            || self.holds_per_client % 64 != 0
-            || self.holds_per_client > 1 << 20
-        {
-            return bad(format!(
-                "holds_per_client {} must be a multiple of 64, at most 2^20",
-                self.holds_per_client
-            ));
-        }
         Ok(())
     }
 
@@ -150,7 +143,9 @@ impl Params {
         let pages = self.heap_size / PAGE;
         let slabs = self.heap_size / SLAB;
         let partial_words = slabs.div_ceil(64);
-        let client_stride = align_up(CLIENT_HEADER + self.holds_per_client * 8, 64);
+        let client_stride = CLIENT_HEADER;
+        // One 16-bit pin counter per client per slot, a row per slot padded to 64 bytes.
+        let pin_stride = align_up(self.max_clients, 32);
         let mut off = PAGE;
         let mut take = |bytes: u64, align: u64| {
             off = align_up(off, align);
@@ -166,6 +161,7 @@ impl Params {
         let partial_offset = take(CLASSES * partial_words * 8, 64);
         let buckets_offset = take(self.table_slots * 8, 64);
         let slots_offset = take(self.table_slots * 64, 64);
+        let pins_offset = take(self.table_slots * pin_stride * 2, 64);
         let clients_offset = take(self.max_clients * client_stride, 64);
         let heap_offset = take(self.heap_size, SLAB);
         Ok(Superblock {
@@ -188,12 +184,13 @@ impl Params {
             table_slots: self.table_slots,
             clients_offset,
             max_clients: self.max_clients,
-            holds_per_client: self.holds_per_client,
+            pins_offset,
             client_stride,
             globals_offset,
             created_unix_ns: 0,
             flags: 0,
-            _reserved: [0; 8],
+            pin_stride,
+            _reserved: [0; 7],
             checksum: 0,
         })
     }
@@ -213,7 +210,6 @@ impl Superblock {
             heap_size: self.heap_size,
             table_slots: self.table_slots,
             max_clients: self.max_clients,
-            holds_per_client: self.holds_per_client,
         }
     }
 
@@ -257,7 +253,7 @@ impl Superblock {
         cmp.created_unix_ns = 0;
         cmp.flags = 0;
         cmp.checksum = 0;
-        if cmp != expect || sb.flags & !FLAG_EVICT != 0 {
+        if cmp != expect || sb.flags & !(FLAG_EVICT | FLAG_REMOVE_WHEN_UNUSED) != 0 {
             return Err(Error::Corrupted {
                 what: "superblock section offsets disagree with its parameters".into(),
             });
@@ -282,7 +278,6 @@ mod tests {
             heap_size: 1 << 24,
             table_slots: 1024,
             max_clients: 8,
-            holds_per_client: 128,
         }
     }
 
@@ -298,6 +293,7 @@ mod tests {
             (l.partial_offset, CLASSES * l.partial_words * 8),
             (l.buckets_offset, l.table_slots * 8),
             (l.slots_offset, l.table_slots * 64),
+            (l.pins_offset, l.table_slots * l.pin_stride * 2),
             (l.clients_offset, l.max_clients * l.client_stride),
             (l.heap_offset, l.heap_size),
         ];

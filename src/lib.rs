@@ -30,7 +30,8 @@
 //! Module map, lowest layer first (each depends only on those above it in this list):
 //! [`sync`](crate::sync) (atomics and futexes, loom-switchable) -> `layout` (superblock,
 //! section offsets) -> `region` (file, memfd, mapping) -> `alloc` (allocator) -> `table`
-//! (object table) -> `client` (per-process slots) -> `store` (public API).
+//! (object table) -> `client` (per-process slots) -> `capacity` (eviction, back-pressure)
+//! -> `recovery` (dead clients, leak sweep) -> `store` (public API).
 //! The design is in `docs/design.md`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -50,6 +51,8 @@ mod layout;
 #[cfg(all(test, loom))]
 mod loom_models;
 #[cfg(not(loom))]
+mod recovery;
+#[cfg(not(loom))]
 mod region;
 #[cfg(not(loom))]
 mod store;
@@ -64,6 +67,8 @@ pub use capacity::WhenFull;
 pub use error::{Error, Result};
 pub use id::{ObjectId, ParseObjectIdError};
 #[cfg(not(loom))]
+pub use recovery::RecoveryReport;
+#[cfg(not(loom))]
 pub use region::HugePages;
 #[cfg(not(loom))]
 #[doc(hidden)]
@@ -71,5 +76,5 @@ pub use store::RawBlock;
 #[cfg(not(loom))]
 pub use store::{
     AttachOptions, Creation, ObjectInfo, ObjectState, Stats, Store, StoreConfig, View,
-    DEFAULT_GET_SPIN,
+    CREATOR_CHECK_PERIOD, DEFAULT_GET_SPIN,
 };

@@ -13,7 +13,7 @@ use crate::error::Error;
 use crate::layout::PAGE;
 use crate::sync::UnsafeCell;
 use crate::table::testing::HeapTable;
-use crate::table::{Entry, Pin, SlotRef};
+use crate::table::{Entry, Pin};
 use crate::ObjectId;
 use loom::sync::Arc;
 use loom::thread;
@@ -178,13 +178,10 @@ fn loom_lookup_races_delete_and_reuse() {
         let reader = {
             let h = h.clone();
             thread::spawn(move || {
-                let t = h.get();
+                let t = h.as_client(1);
                 if let Pin::Pinned(r, e) = t.pin(&a).unwrap() {
                     assert_eq!(e.offset, 100 * 64, "pinned someone else's object");
-                    if let Some(e) = t.unpin(r).unwrap() {
-                        assert_eq!(e.offset, 100 * 64);
-                        t.release(r);
-                    }
+                    t.unpin(r).unwrap();
                 }
             })
         };
@@ -192,9 +189,7 @@ fn loom_lookup_races_delete_and_reuse() {
             let h = h.clone();
             thread::spawn(move || {
                 let t = h.get();
-                if let Some((r, _)) = t.delete(&a).unwrap() {
-                    t.release(r);
-                }
+                t.delete(&a).unwrap();
                 if let Ok(r2) = t.insert(&b, &entry(200 * 64)) {
                     t.seal(&b, r2).unwrap();
                 }
@@ -202,6 +197,8 @@ fn loom_lookup_races_delete_and_reuse() {
         };
         reader.join().unwrap();
         writer.join().unwrap();
+        assert_eq!(h.freed().len(), 1);
+        assert_eq!(h.freed()[0].1.offset, 100 * 64);
     });
 }
 
@@ -217,7 +214,7 @@ fn loom_seal_wakes_blocked_get_and_publishes_payload() {
         let getter = {
             let (h, payload) = (h.clone(), payload.clone());
             thread::spawn(move || {
-                let t = h.get();
+                let t = h.as_client(1);
                 let far = Instant::now() + Duration::from_secs(3600);
                 match t.pin_wait(&id, Some(far), Duration::ZERO).unwrap() {
                     Pin::Pinned(..) => payload.with(|p| {
@@ -237,8 +234,9 @@ fn loom_seal_wakes_blocked_get_and_publishes_payload() {
     });
 }
 
-/// Two pins race the delete of their object: the last reference frees the block exactly
-/// once, never twice and never while a pin is held.
+/// Two pins (two clients) race the delete of their object: the last counter down frees
+/// the block exactly once, never twice and never while a pin is held (a pinned reader
+/// reads the block; a free writes it, and loom reports the race if they can overlap).
 #[test]
 fn loom_pin_races_delete_frees_once() {
     loom::model(|| {
@@ -247,34 +245,67 @@ fn loom_pin_races_delete_frees_once() {
         let t = h.get();
         let r = t.insert(&id, &entry(0)).unwrap();
         t.seal(&id, r).unwrap();
-        let pinners: Vec<_> = (0..2)
-            .map(|_| {
+        let pinners: Vec<_> = (1..3)
+            .map(|c| {
                 let h = h.clone();
                 thread::spawn(move || {
-                    let t = h.get();
-                    match t.pin(&id).unwrap() {
-                        Pin::Pinned(r, _) => t.unpin(r).unwrap().map(|e| (r, e)),
-                        _ => None,
+                    let t = h.as_client(c);
+                    if let Pin::Pinned(r, _) = t.pin(&id).unwrap() {
+                        assert_eq!(h.read_while_pinned(), 0, "freed while pinned");
+                        t.unpin(r).unwrap();
                     }
                 })
             })
             .collect();
-        let deleter = {
-            let h = h.clone();
-            thread::spawn(move || h.get().delete(&id).unwrap())
-        };
-        let mut frees: Vec<(SlotRef, Entry)> = deleter.join().unwrap().into_iter().collect();
+        h.get().delete(&id).unwrap();
         for p in pinners {
-            frees.extend(p.join().unwrap());
+            p.join().unwrap();
         }
-        assert_eq!(frees.len(), 1, "the block must be freed exactly once");
-        h.get().release(frees[0].0);
+        assert_eq!(h.freed().len(), 1, "the block must be freed exactly once");
         assert_eq!(h.get().count_live(), 0);
     });
 }
 
-/// An abort races a get: the getter never pins an unsealed object, and the creator gets
-/// the block back to free.
+/// A dead client's pins are dropped by a recoverer while the object is deleted and a
+/// live client pins it: freed exactly once, never under the live pin.
+#[test]
+fn loom_recovery_drops_dead_pins_under_live_ones() {
+    loom::model(|| {
+        let h = Arc::new(HeapTable::new(32));
+        let id = ObjectId::of_key("held-by-the-dead");
+        let t = h.get();
+        let r = t.insert(&id, &entry(0)).unwrap();
+        t.seal(&id, r).unwrap();
+        // Client 5 pins twice, then "dies".
+        let Pin::Pinned(dead, _) = h.as_client(5).pin(&id).unwrap() else {
+            panic!()
+        };
+        h.as_client(5).add_pin(dead).unwrap();
+        let live = {
+            let h = h.clone();
+            thread::spawn(move || {
+                let t = h.as_client(1);
+                if let Pin::Pinned(r, _) = t.pin(&id).unwrap() {
+                    assert_eq!(h.read_while_pinned(), 0, "freed while pinned");
+                    t.unpin(r).unwrap();
+                }
+            })
+        };
+        let recoverer = {
+            let h = h.clone();
+            thread::spawn(move || {
+                h.as_client(2).drop_dead_pins(r.index as usize, 5);
+            })
+        };
+        t.delete(&id).unwrap();
+        live.join().unwrap();
+        recoverer.join().unwrap();
+        assert_eq!(h.freed().len(), 1, "the block must be freed exactly once");
+    });
+}
+
+/// An abort races a get: the getter never pins an unsealed object, and the block is
+/// freed once.
 #[test]
 fn loom_abort_races_get() {
     loom::model(|| {
@@ -283,16 +314,15 @@ fn loom_abort_races_get() {
         let getter = {
             let h = h.clone();
             thread::spawn(move || {
-                let p = h.get().pin(&id).unwrap();
+                let p = h.as_client(1).pin(&id).unwrap();
                 assert!(!matches!(p, Pin::Pinned(..)), "pinned an unsealed object");
             })
         };
         let t = h.get();
         let r = t.insert(&id, &entry(0)).unwrap();
-        let freed = t.abort(&id, r).unwrap();
-        assert_eq!(freed, Some(entry(0)));
-        t.release(r);
+        t.abort(&id, r).unwrap();
         getter.join().unwrap();
+        assert_eq!(h.freed(), vec![(r, entry(0))]);
         assert_eq!(t.count_live(), 0);
     });
 }
@@ -308,27 +338,29 @@ fn loom_eviction_races_pin() {
         let r = t.insert(&id, &entry(0)).unwrap();
         t.seal(&id, r).unwrap();
         // First pass of the hand: clears the referenced bit.
-        assert!(t.clock_step(r.index as usize).unwrap().is_none());
+        assert!(!t.clock_step(r.index as usize).unwrap());
         let hand = {
             let h = h.clone();
             thread::spawn(move || h.get().clock_step(r.index as usize).unwrap())
         };
+        // The getter keeps its pin until both are done.
         let getter = {
             let h = h.clone();
-            thread::spawn(move || match h.get().pin(&id).unwrap() {
-                Pin::Pinned(r, e) => Some((r, e)),
+            thread::spawn(move || match h.as_client(1).pin(&id).unwrap() {
+                Pin::Pinned(r, _) => Some(r),
                 _ => None,
             })
         };
         let evicted = hand.join().unwrap();
         let pinned = getter.join().unwrap();
         assert!(
-            !(evicted.is_some() && pinned.is_some()),
+            !(evicted && pinned.is_some()),
             "evicted an object while it was pinned"
         );
-        assert!(evicted.is_some() || pinned.is_some());
-        if let Some((r, _)) = pinned {
-            assert!(t.unpin(r).unwrap().is_none());
+        assert!(evicted || pinned.is_some());
+        if let Some(r) = pinned {
+            assert!(t.contains_sealed(&id));
+            h.as_client(1).unpin(r).unwrap();
         }
     });
 }

@@ -368,6 +368,16 @@ impl Mapping {
     }
 
     /// The backing file.
+    /// Whether `path` still names the file this mapping was made from (same device and
+    /// inode): a store removed and re-created under the same name is another file.
+    pub(crate) fn same_file_as(&self, path: &Path) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        match (self.file.metadata(), std::fs::metadata(path)) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        }
+    }
+
     pub(crate) fn file(&self) -> &File {
         &self.file
     }

@@ -2,21 +2,29 @@
 //!
 //! This module wires the region, the allocator, the table and the client slot together and
 //! owns the rules that span them: a block is allocated before its table entry is inserted
-//! and freed only after the entry is unlinked and unpinned; every pin and unfinished
-//! creation is recorded in the process's client slot; every value read back from a table
-//! slot is range-checked against the heap before it becomes a pointer.
+//! and freed only by the one process that moved its slot to FREEING; every step that
+//! changes who owns a block runs inside the client's `ops` bracket (for the leak sweep);
+//! every value read back from a table slot is range-checked against the heap before it
+//! becomes a pointer; dead clients are recovered on attach, on `Full`, when a get meets a
+//! dead creator, and on a bounded schedule (see [`crate::recovery`]).
 //!
 //! Handles (`Creation`, `View`) hold an `Arc` of the attached store, so they are
 //! `'static + Send` and may outlive the `Store` value they came from.
 
-use crate::alloc::{Allocator, Block, BlockKind, Padded, SlabDesc, CLASS_SIZES};
+use crate::alloc::{Allocator, Block, Padded, SlabDesc};
 use crate::capacity::{self, Globals, WhenFull};
-use crate::client::{self, encode_hold, Client, ClientHeader, HoldKind, Liveness};
+use crate::client::{Client, ClientHeader, Identity, Liveness};
 use crate::error::{Error, Result};
-use crate::layout::{Params, Superblock, FLAG_EVICT, GLOBALS_SIZE, MAX_META, PAGE, WAIT_BUCKETS};
+use crate::layout::{
+    Params, Superblock, FLAG_EVICT, FLAG_REMOVE_WHEN_UNUSED, GLOBALS_SIZE, MAX_META, WAIT_BUCKETS,
+};
+use crate::recovery::{RecoveryReport, World, MAINTENANCE_PERIOD};
 use crate::region::{HugePages, Mapping};
-use crate::sync::AtomicU64;
-use crate::table::{Entry, Pin, Slot, SlotRef, Table, WaitBucket, CREATING, DELETED, SEALED};
+use crate::sync::{AtomicU16, AtomicU64, Ordering};
+use crate::table::{
+    Entry, Pin, Reclaimer, Sections, Slot, SlotRef, Table, WaitBucket, CREATING, DELETED, FREEING,
+    RESERVED,
+};
 use crate::ObjectId;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
@@ -38,10 +46,9 @@ pub struct StoreConfig {
     pub capacity: u64,
     /// Objects the table is sized for; the table has at least twice as many slots.
     pub max_objects: u64,
-    /// Processes that may be attached at once.
+    /// Processes that may be attached at once. Each costs one 16-bit pin counter per
+    /// table slot (up to 32 clients fit one 64-byte row per slot).
     pub max_clients: u32,
-    /// Pins plus unfinished creations one process may hold at once (rounded up to 64).
-    pub holds_per_client: u32,
     /// Directory for named stores.
     pub dir: PathBuf,
     /// File mode of a named store.
@@ -54,25 +61,35 @@ pub struct StoreConfig {
     pub get_spin: Duration,
     /// Fail or evict when full (a property of the store, the same for every process).
     pub when_full: WhenFull,
+    /// Remove the store's file when the last attached process detaches (or dies and is
+    /// recovered by a process that then detaches). Off by default: a store normally
+    /// outlives its processes until [`Store::unlink`] or `shmstore rm`.
+    pub remove_when_unused: bool,
 }
 
 /// Default spin before a blocking get sleeps: long enough to catch a producer that is
 /// about to seal, short enough to cost little CPU when it is not.
 pub const DEFAULT_GET_SPIN: Duration = Duration::from_micros(50);
 
+/// How often a get blocked on an unsealed object checks that its creator still runs.
+pub const CREATOR_CHECK_PERIOD: Duration = Duration::from_millis(20);
+
+/// Creates between two looks at the maintenance clock (see [`crate::recovery`]).
+const MAINTENANCE_CHECK: u64 = 256;
+
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             capacity: 256 << 20,
             max_objects: 1 << 16,
-            max_clients: 64,
-            holds_per_client: 4096,
+            max_clients: 32,
             dir: PathBuf::from("/dev/shm"),
             mode: 0o600,
             prefault: true,
             huge_pages: HugePages::Off,
             get_spin: DEFAULT_GET_SPIN,
             when_full: WhenFull::Fail,
+            remove_when_unused: false,
         }
     }
 }
@@ -99,7 +116,6 @@ impl StoreConfig {
             heap_size: self.capacity.div_ceil(slab).saturating_mul(slab),
             table_slots: slots,
             max_clients: self.max_clients as u64,
-            holds_per_client: (self.holds_per_client as u64).div_ceil(64) * 64,
         }
     }
 }
@@ -168,8 +184,16 @@ pub struct Stats {
     /// Processes attached and alive.
     pub clients: u64,
     /// Client slots still held by processes that have died (their pins and unfinished
-    /// creations are not reclaimed yet).
+    /// creations are not reclaimed yet; any live process reclaims them within
+    /// moments, or at once with [`Store::recover`]).
     pub dead_clients: u64,
+    /// Dead clients recovered since the store was created.
+    pub recovered_clients: u64,
+    /// Bytes recovery gave back since the store was created.
+    pub reclaimed_bytes: u64,
+    /// A leak sweep is owed (a client died inside an allocator step) and waits for a
+    /// moment when no live client is allocating.
+    pub sweep_pending: bool,
     /// Objects evicted to make room since the store was created.
     pub evictions: u64,
     /// Object table slots.
@@ -224,6 +248,8 @@ pub struct ObjectInfo {
 unsafe trait SharedPod {}
 // SAFETY: atomics of u64 are valid for every bit pattern.
 unsafe impl SharedPod for AtomicU64 {}
+// SAFETY: atomics of u16 are valid for every bit pattern.
+unsafe impl SharedPod for AtomicU16 {}
 // SAFETY: Padded is repr(C) around an AtomicU64 plus alignment padding.
 unsafe impl SharedPod for Padded<AtomicU64> {}
 // SAFETY: repr(C) of AtomicU64s.
@@ -273,11 +299,15 @@ struct Inner {
     slots: &'static [Slot],
     buckets: &'static [AtomicU64],
     waits: &'static [WaitBucket],
+    pins: &'static [AtomicU16],
     globals: &'static Globals,
     client_header: &'static ClientHeader,
-    client_holds: &'static [AtomicU64],
     client_index: u16,
-    hold_cursor: AtomicU64,
+    identity: Identity,
+    /// Process-local clock for the maintenance schedule.
+    epoch: Instant,
+    /// `epoch`-relative ns before which no scheduled maintenance runs.
+    next_maintenance_ns: AtomicU64,
     get_spin: Duration,
     read_only: bool,
     heap: *mut u8,
@@ -294,8 +324,49 @@ unsafe impl Sync for Inner {}
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        let remove = self.sb.flags & FLAG_REMOVE_WHEN_UNUSED != 0;
+        if remove && !self.read_only {
+            // Dead clients would keep the store "in use" forever: recover them first.
+            self.recover();
+        }
         // Every handle holds an Arc<Inner>, so no pins or creations remain: leave the slot.
         self.client().release();
+        if remove {
+            self.remove_if_unused();
+        }
+    }
+}
+
+/// Brackets one ownership-changing step of this client (see [`crate::recovery`]).
+struct OpGuard<'a>(&'a ClientHeader);
+
+impl<'a> OpGuard<'a> {
+    fn new(h: &'a ClientHeader) -> Self {
+        Client { header: h }.begin_op();
+        OpGuard(h)
+    }
+}
+
+impl Drop for OpGuard<'_> {
+    fn drop(&mut self) {
+        Client { header: self.0 }.end_op();
+    }
+}
+
+impl Reclaimer for Inner {
+    fn reclaim(&self, table: &Table<'_>, r: SlotRef, e: Entry) {
+        // Release the slot even if the entry was corrupt: never strand a table slot.
+        if let Ok(res) = self.resolve(&e) {
+            let _ = self.alloc().free(res.block);
+        }
+        table.release(r);
+        self.globals.space.notify();
+    }
+    fn begin_op(&self) {
+        self.client().begin_op();
+    }
+    fn end_op(&self) {
+        self.client().end_op();
     }
 }
 
@@ -312,9 +383,14 @@ impl Inner {
         let base = map.base();
         let total = map.len();
         const _: () = assert!(std::mem::size_of::<Globals>() as u64 == GLOBALS_SIZE);
+        if sb.pin_stride < sb.max_clients {
+            return Err(Error::Corrupted {
+                what: "pin rows narrower than the client count".into(),
+            });
+        }
         // SAFETY: `base`/`total` describe `map`, which `Inner` owns and drops after these
         // slices (field order); the slices never leave `Inner`.
-        let (globals, pages, slabs, partial, hints, slots, buckets, waits) = unsafe {
+        let (globals, pages, slabs, partial, hints, slots, buckets, waits, pins) = unsafe {
             (
                 &section::<Globals>(base, total, sb.globals_offset, 1)?[0],
                 section(base, total, sb.page_bitmap_offset, sb.pages.div_ceil(64))?,
@@ -329,34 +405,50 @@ impl Inner {
                 section(base, total, sb.slots_offset, sb.table_slots)?,
                 section(base, total, sb.buckets_offset, sb.table_slots)?,
                 section(base, total, sb.wait_offset, WAIT_BUCKETS)?,
+                section(
+                    base,
+                    total,
+                    sb.pins_offset,
+                    sb.table_slots.saturating_mul(sb.pin_stride),
+                )?,
             )
-        };
-        let pid = std::process::id();
-        let start = client::process_start_time(pid).unwrap_or(0);
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        let mut claimed = None;
-        for i in 0..sb.max_clients {
-            // SAFETY: as above.
-            let (header, holds) = unsafe { client_sections(base, total, &sb, i)? };
-            if (Client { header, holds }).try_claim(pid as u64, start, now) {
-                claimed = Some((i as u16, header, holds));
-                break;
-            }
-        }
-        let Some((client_index, client_header, client_holds)) = claimed else {
-            return Err(Error::TooManyClients {
-                max: sb.max_clients as u32,
-            });
         };
         if sb.heap_offset + sb.heap_size > total as u64 {
             return Err(Error::Corrupted {
                 what: "heap extends past the mapping".into(),
             });
         }
-        Ok(Arc::new(Inner {
+        let identity = Identity::current();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let mut claimed = None;
+        // A free slot first; if none, a dead client's slot, cleaned up by us (below).
+        for pass in 0..3 {
+            for i in 0..sb.max_clients {
+                // SAFETY: as above.
+                let header = unsafe { client_section(base, total, &sb, i)? };
+                let c = Client { header };
+                if pass == 0 && c.try_claim(&identity, now) {
+                    claimed = Some((i as u16, header, false));
+                    break;
+                }
+                if pass > 0 && c.try_inherit(&identity, now, i) {
+                    claimed = Some((i as u16, header, true));
+                    break;
+                }
+            }
+            if claimed.is_some() {
+                break;
+            }
+        }
+        let Some((client_index, client_header, inherited)) = claimed else {
+            return Err(Error::TooManyClients {
+                max: sb.max_clients as u32,
+            });
+        };
+        let inner = Arc::new(Inner {
             globals,
             pages,
             slabs,
@@ -365,17 +457,35 @@ impl Inner {
             slots,
             buckets,
             waits,
+            pins,
             client_header,
-            client_holds,
             client_index,
-            hold_cursor: AtomicU64::new(0),
+            identity,
+            epoch: Instant::now(),
+            next_maintenance_ns: AtomicU64::new(0),
             get_spin,
             read_only,
             // SAFETY: heap_offset + heap_size <= total (checked above).
             heap: unsafe { base.add(sb.heap_offset as usize) },
             sb,
             map,
-        }))
+        });
+        if inherited {
+            // We took over a dead client's slot: return what it held before we use it.
+            let mut report = RecoveryReport::default();
+            inner.world().recover_own_slot(&mut report);
+            if !inner.client().finish_inherit(client_index as u64) {
+                // A recoverer judged the slot dead while we moved in and took it back;
+                // `inner` now holds nothing (its drop releases nothing of ours).
+                std::mem::forget(inner);
+                return Err(Error::TooManyClients {
+                    max: sb.max_clients as u32,
+                });
+            }
+        }
+        // Reclaim what dead processes left, now rather than at the first full store.
+        inner.maintain();
+        Ok(inner)
     }
 
     fn alloc(&self) -> Allocator<'_> {
@@ -389,33 +499,99 @@ impl Inner {
     }
 
     fn table(&self) -> Table<'_> {
-        Table::new(self.slots, self.buckets, self.waits)
+        let sections = Sections {
+            slots: self.slots,
+            buckets: self.buckets,
+            waits: self.waits,
+            pins: self.pins,
+            stride: self.sb.pin_stride as usize,
+        };
+        Table::new(sections, self.client_index, self)
     }
 
     fn client(&self) -> Client<'_> {
         Client {
             header: self.client_header,
-            holds: self.client_holds,
         }
     }
 
-    /// Client slot `i` (any process's), for stats and audits.
+    /// Client slot `i` (any process's), for stats, audits and recovery.
     fn client_at(&self, i: u64) -> Result<Client<'_>> {
         // SAFETY: `map` is the mapping these sections were validated against and `self`
         // owns it; the returned borrows do not outlive `self`.
-        let (header, holds) =
-            unsafe { client_sections(self.map.base(), self.map.len(), &self.sb, i)? };
-        Ok(Client { header, holds })
+        let header = unsafe { client_section(self.map.base(), self.map.len(), &self.sb, i)? };
+        Ok(Client { header })
     }
 
-    fn hold(&self, kind: HoldKind, r: SlotRef) -> Result<u32> {
-        self.client()
-            .add_hold(encode_hold(kind, r), &self.hold_cursor)
+    fn clients(&self) -> Vec<Client<'_>> {
+        (0..self.sb.max_clients)
+            .filter_map(|i| self.client_at(i).ok())
+            .collect()
+    }
+
+    fn op(&self) -> OpGuard<'_> {
+        OpGuard::new(self.client_header)
+    }
+
+    /// What recovery works on, as this client.
+    fn world(&self) -> World<'_> {
+        World {
+            table: self.table(),
+            alloc: self.alloc(),
+            globals: self.globals,
+            clients: self.clients(),
+            me: self.client_index as u64,
+            identity: self.identity,
+            heap_size: self.sb.heap_size,
+            ops: self,
+        }
+    }
+
+    /// Recovers dead clients and runs an owed leak sweep (see [`crate::recovery`]).
+    fn recover(&self) -> RecoveryReport {
+        self.world().recover_dead()
+    }
+
+    /// Scheduled maintenance: recovery, at most every [`MAINTENANCE_PERIOD`] per process.
+    fn maintain(&self) {
+        let now = self.epoch.elapsed().as_nanos() as u64;
+        let next = self.next_maintenance_ns.load(Ordering::Relaxed);
+        if now < next
+            || self
+                .next_maintenance_ns
+                .compare_exchange(
+                    next,
+                    now + MAINTENANCE_PERIOD.as_nanos() as u64,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_err()
+        {
+            return;
+        }
+        if self.read_only {
+            return; // a read-only attach cannot free memory; others will
+        }
+        self.recover();
+    }
+
+    /// Removes the store's file if no client is attached any more (dead ones recovered
+    /// first). Best effort: a process attaching at this instant keeps its mapping.
+    fn remove_if_unused(&self) {
+        let Some(path) = self.map.path() else { return };
+        let me = self.identity;
+        let others = self
+            .clients()
+            .iter()
+            .any(|c| c.liveness(&me) != Liveness::Free);
+        if !others && self.map.same_file_as(path) {
+            let _ = std::fs::remove_file(path);
+        }
     }
 
     /// Checks an entry read from shared memory and turns it into a block and pointers.
     fn resolve(&self, e: &Entry) -> Result<Resolved> {
-        let (block, meta_pad) = check_entry(e, self.sb.heap_size)?;
+        let (block, meta_pad) = e.block(self.sb.heap_size)?;
         // SAFETY: offset + size <= heap_size (checked by check_entry), so both pointers
         // stay inside the heap.
         let (meta, data) = unsafe {
@@ -436,68 +612,32 @@ impl Inner {
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.base().add(at), n) };
     }
 
-    /// Frees the block of a fully released entry, returns its slot, and wakes creators
-    /// waiting for space.
-    fn reclaim(&self, r: SlotRef, e: Entry) -> Result<()> {
-        let res = self.resolve(&e);
-        let freed = res.and_then(|x| self.alloc().free(x.block));
-        // Release the slot even if the entry was corrupt: never strand a table slot.
-        self.table().release(r);
-        self.globals.space.notify();
-        freed
-    }
-
     fn evicts(&self) -> bool {
         self.sb.flags & FLAG_EVICT != 0
     }
 
-    /// Allocates `need` bytes, evicting by CLOCK when the store is full and says so.
+    /// Allocates `need` bytes; when full, first recovers what dead clients hold, then
+    /// evicts by CLOCK if the store says so.
     fn alloc_block(&self, need: u64) -> Result<Block> {
-        match self.alloc().alloc(need) {
-            Err(Error::Full { .. }) if self.evicts() => capacity::evict_until_fits(
-                self.globals,
-                &self.table(),
-                &self.alloc(),
-                need,
-                |r, e| self.reclaim(r, e),
-            ),
+        let first = self.alloc().alloc(need);
+        let first = match first {
+            Err(Error::Full { .. }) if !self.read_only => {
+                let r = self.recover();
+                if r.bytes_reclaimed > 0 {
+                    self.alloc().alloc(need)
+                } else {
+                    first
+                }
+            }
+            other => other,
+        };
+        match first {
+            Err(Error::Full { .. }) if self.evicts() => {
+                capacity::evict_until_fits(self.globals, &self.table(), &self.alloc(), need)
+            }
             other => other,
         }
     }
-}
-
-/// Validates an entry read from shared memory against a heap of `heap_size` bytes and
-/// returns its block and the padded metadata length. Pure arithmetic, all checked.
-fn check_entry(e: &Entry, heap_size: u64) -> Result<(Block, u64)> {
-    let bad = || Error::Corrupted {
-        what: format!("table entry {e:?} does not describe a block in the heap"),
-    };
-    let kind = BlockKind::decode(e.kind).ok_or_else(bad)?;
-    if e.meta_len as u64 > MAX_META || e.offset % 64 != 0 {
-        return Err(bad());
-    }
-    let meta_pad = pad64(e.meta_len as u64);
-    let need = meta_pad.checked_add(e.len).ok_or_else(bad)?.max(1);
-    let size = match kind {
-        BlockKind::Pages => need.div_ceil(PAGE).checked_mul(PAGE).ok_or_else(bad)?,
-        BlockKind::Slab(c) => CLASS_SIZES[c as usize],
-    };
-    if need > size || e.offset.checked_add(size).is_none_or(|end| end > heap_size) {
-        return Err(bad());
-    }
-    Ok((
-        Block {
-            offset: e.offset,
-            size,
-            kind,
-        },
-        meta_pad,
-    ))
-}
-
-/// Fuzz hook: runs [`check_entry`] on raw slot words.
-pub(crate) fn resolve_untrusted(offset: u64, len: u64, info: u64) {
-    let _ = check_entry(&Entry::from_parts(offset, len, info), 1 << 30);
 }
 
 struct Resolved {
@@ -510,28 +650,25 @@ fn pad64(x: u64) -> u64 {
     x.div_ceil(64) * 64
 }
 
-/// Client `i`'s header and hold records.
+/// Fuzz hook: runs the entry validation on raw slot words.
+pub(crate) fn resolve_untrusted(offset: u64, len: u64, info: u64) {
+    let _ = Entry::from_parts(offset, len, info).block(1 << 30);
+}
+
+/// Client `i`'s slot.
 ///
 /// # Safety
 /// Same contract as [`section`].
-unsafe fn client_sections(
+unsafe fn client_section(
     base: *mut u8,
     total: usize,
     sb: &Superblock,
     i: u64,
-) -> Result<(&'static ClientHeader, &'static [AtomicU64])> {
+) -> Result<&'static ClientHeader> {
     let off = sb.clients_offset + i * sb.client_stride;
     // SAFETY: forwarded contract; bounds and alignment are checked inside `section`.
-    unsafe {
-        let h: &'static [ClientHeader] = section(base, total, off, 1)?;
-        let holds = section(
-            base,
-            total,
-            off + crate::layout::CLIENT_HEADER,
-            sb.holds_per_client,
-        )?;
-        Ok((&h[0], holds))
-    }
+    let h: &'static [ClientHeader] = unsafe { section(base, total, off, 1)? };
+    Ok(&h[0])
 }
 
 /// A handle to an attached store. Cheap to clone; every clone shares one attachment.
@@ -660,6 +797,9 @@ impl Store {
         if cfg.when_full == WhenFull::Evict {
             sb.flags |= FLAG_EVICT;
         }
+        if cfg.remove_when_unused {
+            sb.flags |= FLAG_REMOVE_WHEN_UNUSED;
+        }
         sb.created_unix_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
@@ -768,6 +908,13 @@ impl Store {
                 requested: u64::MAX,
                 max: self.max_object_size(),
             })?;
+        // Every `MAINTENANCE_CHECK` creates, see whether scheduled recovery is due.
+        if inner.client().ops().0 % MAINTENANCE_CHECK == 0 {
+            inner.maintain();
+        }
+        // From the allocation until the entry names the block, a death here leaves
+        // bits no entry names: the bracket tells recovery to owe a leak sweep.
+        let op = inner.op();
         let block = inner.alloc_block(need)?;
         let entry = Entry {
             offset: block.offset,
@@ -783,14 +930,14 @@ impl Store {
                 return Err(e);
             }
         };
-        let abort = |e: Error| {
-            if let Ok(Some(entry)) = inner.table().abort(id, slot) {
-                let _ = inner.reclaim(slot, entry);
+        drop(op);
+        let res = match inner.resolve(&entry) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = inner.table().abort(id, slot);
+                return Err(e);
             }
-            e
         };
-        let hold = inner.hold(HoldKind::Creation, slot).map_err(abort)?;
-        let res = inner.resolve(&entry).map_err(abort)?;
         // SAFETY: the block is ours alone until sealed (fresh allocation, entry CREATING,
         // unsealed objects cannot be pinned); meta fits before the data (resolve checked).
         unsafe { std::ptr::copy_nonoverlapping(meta.as_ptr(), res.meta, meta.len()) };
@@ -798,7 +945,6 @@ impl Store {
             inner: Arc::clone(&self.inner),
             id: *id,
             slot,
-            hold,
             data: res.data,
             len: len as usize,
             done: false,
@@ -880,21 +1026,59 @@ impl Store {
     /// assert_eq!(t.join().unwrap()?, b"ok");
     /// # Ok::<(), shmstore::Error>(())
     /// ```
+    ///
+    /// If the process creating the object dies before sealing it, the get fails with
+    /// [`Error::CreatorDied`] within about [`CREATOR_CHECK_PERIOD`] instead of waiting out
+    /// its timeout (and the dead creator's memory is reclaimed on the way).
     pub fn get(&self, id: &ObjectId, timeout: Duration) -> Result<View> {
         let start = Instant::now();
         let deadline = start
             .checked_add(timeout)
             .unwrap_or(start + Duration::from_secs(1 << 32));
-        match self
-            .inner
-            .table()
-            .pin_wait(id, Some(deadline), self.inner.get_spin)?
-        {
-            Pin::Pinned(r, e) => self.view(id, r, e),
-            _ => Err(Error::Timeout {
-                id: *id,
-                waited: start.elapsed(),
-            }),
+        let inner = &self.inner;
+        let mut spin = inner.get_spin;
+        // The creator we saw working on the id: (client index, its ctl then, its pid).
+        let mut creator: Option<(u16, u64, u64)> = None;
+        loop {
+            let slice = deadline.min(Instant::now() + CREATOR_CHECK_PERIOD);
+            let found = inner.table().pin_wait(id, Some(slice), spin)?;
+            spin = Duration::ZERO;
+            match found {
+                Pin::Pinned(r, e) => return self.view(id, r, e),
+                Pin::Creating { creator: c, .. } => {
+                    if let Ok(cl) = inner.client_at(c as u64) {
+                        let now = (c, cl.ctl(), cl.header.pid.load(Ordering::Relaxed));
+                        if creator.is_some_and(|was| was.0 == c && was.1 == now.1)
+                            && !cl.process_alive(&inner.identity)
+                        {
+                            // Still the same attachment, and its process is gone.
+                            inner.recover();
+                            return Err(Error::CreatorDied {
+                                id: *id,
+                                pid: now.2,
+                            });
+                        }
+                        creator = Some(now);
+                    }
+                }
+                Pin::Absent => {
+                    // An abort woke us: if the creator we saw is no longer the same
+                    // attachment, or is dead, it will not come back to seal.
+                    if let Some((c, ctl, pid)) = creator.take() {
+                        if let Ok(cl) = inner.client_at(c as u64) {
+                            if cl.ctl() != ctl || !cl.process_alive(&inner.identity) {
+                                return Err(Error::CreatorDied { id: *id, pid });
+                            }
+                        }
+                    }
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    id: *id,
+                    waited: start.elapsed(),
+                });
+            }
         }
     }
 
@@ -937,19 +1121,17 @@ impl Store {
 
     fn view(&self, id: &ObjectId, r: SlotRef, e: Entry) -> Result<View> {
         let inner = &self.inner;
-        let undo = |err: Error| {
-            if let Ok(Some(entry)) = inner.table().unpin(r) {
-                let _ = inner.reclaim(r, entry);
+        let res = match inner.resolve(&e) {
+            Ok(res) => res,
+            Err(err) => {
+                let _ = inner.table().unpin(r);
+                return Err(err);
             }
-            err
         };
-        let res = inner.resolve(&e).map_err(undo)?;
-        let hold = inner.hold(HoldKind::Pin, r).map_err(undo)?;
         Ok(View {
             inner: Arc::clone(inner),
             id: *id,
             slot: r,
-            hold,
             meta: res.meta,
             meta_len: e.meta_len as usize,
             data: res.data,
@@ -988,7 +1170,8 @@ impl Store {
             return Err(Error::ReadOnly { op: "delete" });
         }
         match self.inner.table().delete(id)? {
-            Some((r, e)) => self.inner.reclaim(r, e),
+            // Freed here: say so if the entry could not be (its slot is returned anyway).
+            Some(e) => e.block(self.inner.sb.heap_size).map(|_| ()),
             None => Ok(()),
         }
     }
@@ -1016,29 +1199,69 @@ impl Store {
             huge_pages: self.inner.map.huge_pages(),
             ..Default::default()
         };
-        self.inner.table().scan(|_, c, _, _| {
+        let table = self.inner.table();
+        table.scan(|i, c, _, _| {
             match c.state() {
-                SEALED => st.objects += 1,
+                _ if c.sealed() => st.objects += 1,
                 CREATING => st.creating += 1,
                 DELETED => st.draining += 1,
                 _ => {}
             }
-            if c.pins() > 0 && c.state() == SEALED || c.state() == DELETED && c.pins() > 0 {
+            let pins = table.pins_of(i);
+            if pins > 0 && (c.sealed() || c.state() == DELETED) {
                 st.pinned += 1;
-                st.pins += c.pins();
+                st.pins += pins;
             }
         });
         let inner = &self.inner;
-        for i in 0..inner.sb.max_clients {
-            if let Ok(c) = inner.client_at(i) {
-                match c.liveness() {
-                    Liveness::Alive => st.clients += 1,
-                    Liveness::Dead => st.dead_clients += 1,
-                    Liveness::Free => {}
-                }
+        for c in inner.clients() {
+            match c.liveness(&inner.identity) {
+                Liveness::Alive => st.clients += 1,
+                Liveness::Dead | Liveness::Recovering => st.dead_clients += 1,
+                Liveness::Free => {}
             }
         }
+        let g = inner.globals;
+        st.recovered_clients = g.recovered_clients.load(Ordering::Relaxed);
+        st.reclaimed_bytes = g.reclaimed_bytes.load(Ordering::Relaxed);
+        st.sweep_pending = g.sweeps_owed.load(Ordering::Relaxed) != 0;
         st
+    }
+
+    /// Recovers every client whose process died: drops its pins, aborts its unsealed
+    /// objects (their getters fail with [`Error::CreatorDied`]), returns table slots it
+    /// was part-way through changing, and runs the leak sweep if one is owed. Live
+    /// processes do this by themselves when they meet a dead client's state and on a
+    /// bounded schedule; call it to do it now (`shmstore recover NAME` does).
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// let r = s.recover()?;
+    /// assert_eq!((r.clients_recovered, r.bytes_reclaimed, r.sweep_pending), (0, 0, false));
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn recover(&self) -> Result<RecoveryReport> {
+        if self.inner.read_only {
+            return Err(Error::ReadOnly { op: "recover" });
+        }
+        let mut report = self.inner.recover();
+        // The sweep needs a moment when nobody allocates; give it a few chances.
+        for _ in 0..50 {
+            if !report.sweep_pending {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+            let mut more = RecoveryReport::default();
+            self.inner.world().sweep(&mut more);
+            report.leaked_blocks_freed += more.leaked_blocks_freed;
+            report.bytes_reclaimed += more.bytes_reclaimed;
+            self.inner
+                .globals
+                .reclaimed_bytes
+                .fetch_add(more.bytes_reclaimed, Ordering::Relaxed);
+            report.sweep_pending = more.sweep_pending;
+        }
+        Ok(report)
     }
 
     /// Every object in the table with its state, size and pins (a scan; for tools).
@@ -1053,10 +1276,11 @@ impl Store {
     /// ```
     pub fn list(&self) -> Vec<ObjectInfo> {
         let mut out = Vec::new();
-        self.inner.table().scan(|_, c, id, e| {
+        let table = self.inner.table();
+        table.scan(|i, c, id, e| {
             let state = match c.state() {
                 CREATING => ObjectState::Creating,
-                SEALED => ObjectState::Sealed,
+                _ if c.sealed() => ObjectState::Sealed,
                 DELETED => ObjectState::Draining,
                 _ => return,
             };
@@ -1065,7 +1289,7 @@ impl Store {
                 len: e.len,
                 meta_len: e.meta_len,
                 state,
-                pins: c.pins(),
+                pins: table.pins_of(i),
             });
         });
         out
@@ -1107,28 +1331,35 @@ impl Store {
                 });
             }
         }
-        let (mut table_pins, mut creating) = (0u64, 0u64);
-        inner.table().scan(|_, c, _, _| match c.state() {
-            SEALED | DELETED => table_pins += c.pins(),
-            CREATING => creating += 1,
-            _ => {}
-        });
-        let (mut held_pins, mut held_creations) = (0u64, 0u64);
-        for i in 0..inner.sb.max_clients {
-            for (kind, _) in inner.client_at(i)?.holds() {
-                match kind {
-                    HoldKind::Pin => held_pins += 1,
-                    HoldKind::Creation => held_creations += 1,
+        // Everything a client marks must belong to an attached client: pin counters,
+        // creators of unsealed objects, owners of half-changed slots.
+        let clients = inner.clients();
+        let attached: Vec<bool> = clients.iter().map(|c| c.is_attached()).collect();
+        let table = inner.table();
+        for i in 0..table.capacity() as usize {
+            for (c, &on) in attached.iter().enumerate() {
+                if !on && table.counter_of(i, c as u64) != 0 {
+                    return Err(Error::Corrupted {
+                        what: format!("slot {i} is pinned by detached client {c}"),
+                    });
                 }
             }
         }
-        if (table_pins, creating) != (held_pins, held_creations) {
-            return Err(Error::Corrupted {
-                what: format!(
-                    "table has {table_pins} pins and {creating} creations, clients hold \
-                     {held_pins} pins and {held_creations} creations"
-                ),
-            });
+        let mut bad = None;
+        table.scan(|i, c, _, e| {
+            let marker = match c.state() {
+                CREATING => Some(e.creator as u64),
+                RESERVED | FREEING => c.owner(),
+                _ => None,
+            };
+            if let Some(m) = marker {
+                if !attached.get(m as usize).copied().unwrap_or(false) {
+                    bad = Some(format!("slot {i} ({c:?}) belongs to detached client {m}"));
+                }
+            }
+        });
+        if let Some(what) = bad {
+            return Err(Error::Corrupted { what });
         }
         let sum: u64 = blocks.iter().map(|b| b.1).sum();
         let used = inner.alloc().usage().used;
@@ -1186,7 +1417,6 @@ pub struct Creation {
     inner: Arc<Inner>,
     id: ObjectId,
     slot: SlotRef,
-    hold: u32,
     data: *mut u8,
     len: usize,
     done: bool,
@@ -1225,9 +1455,7 @@ impl Creation {
     /// ```
     pub fn seal(mut self) -> Result<()> {
         self.done = true;
-        let r = self.inner.table().seal(&self.id, self.slot);
-        self.inner.client().clear_hold(self.hold);
-        r
+        self.inner.table().seal(&self.id, self.slot)
     }
 
     /// Marks the object as never evicted (in a store created with [`WhenFull::Evict`]);
@@ -1267,11 +1495,7 @@ impl Creation {
             return;
         }
         self.done = true;
-        let inner = &self.inner;
-        if let Ok(Some(e)) = inner.table().abort(&self.id, self.slot) {
-            let _ = inner.reclaim(self.slot, e);
-        }
-        inner.client().clear_hold(self.hold);
+        let _ = self.inner.table().abort(&self.id, self.slot);
     }
 }
 
@@ -1324,7 +1548,6 @@ pub struct View {
     inner: Arc<Inner>,
     id: ObjectId,
     slot: SlotRef,
-    hold: u32,
     meta: *const u8,
     meta_len: usize,
     data: *const u8,
@@ -1377,18 +1600,8 @@ impl View {
     pub fn try_clone(&self) -> Result<View> {
         let inner = &self.inner;
         inner.table().add_pin(self.slot)?;
-        let hold = match inner.hold(HoldKind::Pin, self.slot) {
-            Ok(h) => h,
-            Err(e) => {
-                if let Ok(Some(entry)) = inner.table().unpin(self.slot) {
-                    let _ = inner.reclaim(self.slot, entry);
-                }
-                return Err(e);
-            }
-        };
         Ok(View {
             inner: Arc::clone(inner),
-            hold,
             ..*self
         })
     }
@@ -1426,15 +1639,11 @@ impl AsRef<[u8]> for View {
 impl Drop for View {
     fn drop(&mut self) {
         let inner = &self.inner;
-        match inner.table().unpin(self.slot) {
-            Ok(Some(e)) => {
-                let _ = inner.reclaim(self.slot, e);
-            }
+        let _ = inner.table().unpin(self.slot);
+        if inner.evicts() {
             // An unpinned object may now be evicted: nudge creators waiting for space.
-            Ok(None) if inner.evicts() => inner.globals.space.nudge(),
-            _ => {}
+            inner.globals.space.nudge();
         }
-        inner.client().clear_hold(self.hold);
     }
 }
 

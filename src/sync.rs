@@ -23,7 +23,7 @@
 #![allow(clippy::disallowed_types)]
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+pub(crate) use loom::sync::atomic::{fence, AtomicU16, AtomicU32, AtomicU64, Ordering};
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{fence, Ordering};
 
@@ -80,6 +80,10 @@ macro_rules! atomic_newtype {
                 self.0.fetch_sub(v, o)
             }
             #[inline]
+            pub(crate) fn swap(&self, v: $int, o: Ordering) -> $int {
+                self.0.swap(v, o)
+            }
+            #[inline]
             pub(crate) fn fetch_and(&self, v: $int, o: Ordering) -> $int {
                 self.0.fetch_and(v, o)
             }
@@ -96,6 +100,8 @@ macro_rules! atomic_newtype {
     };
 }
 
+#[cfg(not(loom))]
+atomic_newtype!(AtomicU16, std::sync::atomic::AtomicU16, u16);
 #[cfg(not(loom))]
 atomic_newtype!(AtomicU32, std::sync::atomic::AtomicU32, u32);
 #[cfg(not(loom))]

@@ -1,4 +1,5 @@
-//! The lock-free object table: id -> slot, with per-slot state, pins and generation.
+//! The lock-free object table: id -> slot, with per-slot state and generation, and the
+//! per-client pin counters that keep a slot's block alive.
 //!
 //! Open addressing with hopscotch neighbourhoods. An id's *home* is `mix(id) & mask`; its
 //! entry lives in one of the [`NEIGHBORHOOD`] slots after the home. Each home has a bucket
@@ -7,27 +8,42 @@
 //! publishes with one CAS that also proves no live entry with the same id was published
 //! since it last looked, so two racing creates of one id can never both succeed.
 //!
-//! Each slot is one cache line: `ctl` (state, pins, generation), the id, and the block it
-//! owns. Slot life cycle (docs/design.md, "Object state machine"):
+//! Each slot is one cache line: `ctl = gen << 32 | owner << 3 | state`, the id, and the
+//! block it owns. Slot life cycle (docs/design.md, "Object state machine"):
 //!
 //! ```text
-//! FREE(g) --claim--> RESERVED(g) --fields written--> CREATING(g) --publish in bucket-->
-//!   CREATING --seal--> SEALED(g, pins) --delete--> DELETED(g, pins+1) --unlink, last unpin-->
-//!   [block freed] --> FREE(g+1)
-//! CREATING --abort--> DELETED --> ... --> FREE(g+1)
+//! FREE(g) --claim--> RESERVED(g, owner) --fields written--> CREATING(g) --bucket CAS-->
+//!   CREATING --seal--> SEALED(g) <--cancel-- EVICTING(g) (CLOCK hand, no pins seen)
+//!   CREATING --abort--> DELETED(g)      SEALED/EVICTING --delete/evict--> DELETED(g)
+//!   DELETED --no pin counter left, one CAS--> FREEING(g, owner) --block freed--> FREE(g+1)
 //! ```
 //!
+//! # Pins are per-client counters, hazard-pointer style
+//! A pin is not a count in `ctl`: each slot has one 16-bit counter per client (a row of
+//! `stride` counters), and a process only ever changes its own. To pin, a reader raises its
+//! counter and then re-reads `ctl`: if the slot is still SEALED at the generation it looked
+//! up, the pin holds. To free, whoever sees a DELETED slot reads every counter of its row
+//! and, only if all are zero, wins `DELETED -> FREEING` with one CAS. The raise/re-read and
+//! the DELETED/scan pairs are SeqCst operations separated by SeqCst fences (a Dekker
+//! handshake), so either the freer sees the reader's counter or the reader sees DELETED.
+//! The block is freed exactly once, by the FREEING owner, never while a counter is raised.
+//!
+//! Why counters and not one shared count: a process killed between "count +1" and
+//! "record that I hold it" leaves a shared count that nobody can correct. A counter is a
+//! fact about one client alone, so recovery simply zeroes a dead client's counters and
+//! retries the free (see [`crate::recovery`]). Slots a client was in the middle of changing
+//! carry its index (`owner` in RESERVED and FREEING, `creator` in CREATING entries).
+//!
 //! Readers use a seqlock-style check: read `ctl`, read the id, then re-read `ctl`; a slot
-//! reused in between has a new generation and is skipped. Pinning is a CAS on `ctl` that
-//! requires state SEALED and the same generation, so a view can never pin a reused slot,
-//! and the last unpin of a DELETED slot is the one place its block is freed (exactly once).
+//! reused in between has a new generation and is skipped.
 //!
 //! Blocked getters sleep on one of [`WAIT_BUCKETS`] futex words chosen by id hash; seals
 //! bump it and wake only when its waiter count is non-zero (no syscall otherwise).
 
+use crate::alloc::{Block, BlockKind, CLASS_SIZES};
 use crate::error::{Error, Result};
-use crate::layout::{NEIGHBORHOOD, WAIT_BUCKETS};
-use crate::sync::{fence, futex, AtomicU32, AtomicU64, Ordering};
+use crate::layout::{MAX_META, NEIGHBORHOOD, PAGE, WAIT_BUCKETS};
+use crate::sync::{fence, futex, AtomicU16, AtomicU32, AtomicU64, Ordering};
 use crate::ObjectId;
 use std::time::{Duration, Instant};
 
@@ -37,31 +53,61 @@ pub(crate) const RESERVED: u64 = 1;
 pub(crate) const CREATING: u64 = 2;
 pub(crate) const SEALED: u64 = 3;
 pub(crate) const DELETED: u64 = 4;
+pub(crate) const EVICTING: u64 = 5;
+pub(crate) const FREEING: u64 = 6;
 
-const PIN_SHIFT: u32 = 3;
-const PIN_ONE: u64 = 1 << PIN_SHIFT;
-/// Most pins one object can carry.
-pub(crate) const MAX_PINS: u64 = (1 << 29) - 1;
+/// Most pins one process may hold on one object (its counter is 16 bits; the margin
+/// leaves room for threads that raise it at the same instant).
+pub(crate) const PIN_LIMIT: u16 = 60_000;
 
-/// `ctl` word helpers: `gen << 32 | pins << 3 | state`.
+/// SeqCst, except under the `pin_acqrel` mutation (a deliberate bug for
+/// docs/verification.md: the pin/free handshake with acquire/release only).
+const SC: Ordering = if cfg!(shmstore_mutation = "pin_acqrel") {
+    Ordering::AcqRel
+} else {
+    Ordering::SeqCst
+};
+const SC_LOAD: Ordering = if cfg!(shmstore_mutation = "pin_acqrel") {
+    Ordering::Acquire
+} else {
+    Ordering::SeqCst
+};
+
+/// The fence of the Dekker handshake between pinners and freers.
+fn dekker_fence() {
+    if !cfg!(shmstore_mutation = "pin_acqrel") {
+        fence(Ordering::SeqCst);
+    }
+}
+
+/// `ctl` word helpers: `gen << 32 | owner << 3 | state`, `owner` = client index + 1 in
+/// RESERVED and FREEING, 0 otherwise.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct Ctl(pub u64);
 
 impl Ctl {
-    pub(crate) fn new(state: u64, pins: u64, gen: u32) -> Self {
-        Ctl((gen as u64) << 32 | pins << PIN_SHIFT | state)
+    pub(crate) fn new(state: u64, owner: Option<u16>, gen: u32) -> Self {
+        let o = owner.map_or(0, |c| c as u64 + 1);
+        Ctl((gen as u64) << 32 | o << 3 | state)
     }
     pub(crate) fn state(self) -> u64 {
         self.0 & 7
     }
-    pub(crate) fn pins(self) -> u64 {
-        (self.0 >> PIN_SHIFT) & MAX_PINS
+    /// The client in the middle of changing this slot (RESERVED or FREEING).
+    pub(crate) fn owner(self) -> Option<u64> {
+        let o = (self.0 >> 3) & ((1 << 29) - 1);
+        o.checked_sub(1)
     }
     pub(crate) fn gen(self) -> u32 {
         (self.0 >> 32) as u32
     }
+    /// Found by lookups: being created or readable.
     fn live(self) -> bool {
-        matches!(self.state(), CREATING | SEALED)
+        matches!(self.state(), CREATING | SEALED | EVICTING)
+    }
+    /// Readable (EVICTING is SEALED with an eviction attempt in flight).
+    pub(crate) fn sealed(self) -> bool {
+        matches!(self.state(), SEALED | EVICTING)
     }
 }
 
@@ -148,6 +194,38 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
+    /// Validates an entry read from shared memory against a heap of `heap_size` bytes and
+    /// returns its block and the padded metadata length. Pure arithmetic, all checked.
+    pub(crate) fn block(&self, heap_size: u64) -> Result<(Block, u64)> {
+        let bad = || Error::Corrupted {
+            what: format!("table entry {self:?} does not describe a block in the heap"),
+        };
+        let kind = BlockKind::decode(self.kind).ok_or_else(bad)?;
+        if self.meta_len as u64 > MAX_META || self.offset % 64 != 0 {
+            return Err(bad());
+        }
+        let meta_pad = (self.meta_len as u64).div_ceil(64) * 64;
+        let need = meta_pad.checked_add(self.len).ok_or_else(bad)?.max(1);
+        let size = match kind {
+            BlockKind::Pages => need.div_ceil(PAGE).checked_mul(PAGE).ok_or_else(bad)?,
+            BlockKind::Slab(c) => CLASS_SIZES[c as usize],
+        };
+        if need > size
+            || self
+                .offset
+                .checked_add(size)
+                .is_none_or(|end| end > heap_size)
+        {
+            return Err(bad());
+        }
+        let block = Block {
+            offset: self.offset,
+            size,
+            kind,
+        };
+        Ok((block, meta_pad))
+    }
+
     fn info(&self) -> u64 {
         self.meta_len as u64 | (self.kind as u64) << 16 | (self.creator as u64) << 24
     }
@@ -174,17 +252,37 @@ pub(crate) struct SlotRef {
 pub(crate) enum Pin {
     /// Pinned a sealed object.
     Pinned(SlotRef, Entry),
-    /// The id is being created; not sealed yet.
-    Creating,
+    /// The id is being created by client `creator`; not sealed yet.
+    Creating {
+        /// Client index of the creator (from shared memory: validate before use).
+        creator: u16,
+    },
     /// No live entry for the id.
     Absent,
 }
 
-/// The table over its shared sections.
+/// What the table calls to give a block back: the store frees it in the allocator, then
+/// returns the slot with [`Table::release`]. Also brackets every step that changes who
+/// owns a block, so the leak sweep can tell a quiet moment (see [`crate::recovery`]).
+pub(crate) trait Reclaimer {
+    /// Frees the block of slot `r`, which this process has moved to FREEING, then
+    /// releases the slot.
+    fn reclaim(&self, table: &Table<'_>, r: SlotRef, e: Entry);
+    /// An ownership-changing step starts.
+    fn begin_op(&self) {}
+    /// It ended.
+    fn end_op(&self) {}
+}
+
+/// The table over its shared sections, as seen by client `me`.
 pub(crate) struct Table<'a> {
     slots: &'a [Slot],
     buckets: &'a [AtomicU64],
     waits: &'a [WaitBucket],
+    pins: &'a [AtomicU16],
+    stride: usize,
+    me: u16,
+    reclaimer: &'a dyn Reclaimer,
     mask: u64,
 }
 
@@ -192,21 +290,34 @@ fn corrupted(what: String) -> Error {
     Error::Corrupted { what }
 }
 
+/// Where a table lives and who is looking at it (see [`Table::new`]).
+pub(crate) struct Sections<'a> {
+    pub slots: &'a [Slot],
+    pub buckets: &'a [AtomicU64],
+    pub waits: &'a [WaitBucket],
+    /// `slots.len() * stride` pin counters, slot-major.
+    pub pins: &'a [AtomicU16],
+    pub stride: usize,
+}
+
 impl<'a> Table<'a> {
-    /// Wraps the sections; `slots.len()` is a power of two >= NEIGHBORHOOD.
-    pub(crate) fn new(
-        slots: &'a [Slot],
-        buckets: &'a [AtomicU64],
-        waits: &'a [WaitBucket],
-    ) -> Self {
-        debug_assert!(slots.len().is_power_of_two() && slots.len() as u64 >= NEIGHBORHOOD);
-        debug_assert_eq!(slots.len(), buckets.len());
-        debug_assert_eq!(waits.len() as u64, WAIT_BUCKETS);
+    /// Wraps the sections for client `me` (< `stride`); `slots.len()` is a power of two
+    /// >= NEIGHBORHOOD. The caller (the layout) guarantees the section lengths.
+    pub(crate) fn new(s: Sections<'a>, me: u16, reclaimer: &'a dyn Reclaimer) -> Self {
+        debug_assert!(s.slots.len().is_power_of_two() && s.slots.len() as u64 >= NEIGHBORHOOD);
+        debug_assert_eq!(s.slots.len(), s.buckets.len());
+        debug_assert_eq!(s.waits.len() as u64, WAIT_BUCKETS);
+        debug_assert_eq!(s.pins.len(), s.slots.len() * s.stride);
+        debug_assert!((me as usize) < s.stride);
         Table {
-            slots,
-            buckets,
-            waits,
-            mask: slots.len() as u64 - 1,
+            slots: s.slots,
+            buckets: s.buckets,
+            waits: s.waits,
+            pins: s.pins,
+            stride: s.stride,
+            me,
+            reclaimer,
+            mask: s.slots.len() as u64 - 1,
         }
     }
 
@@ -224,7 +335,18 @@ impl<'a> Table<'a> {
         (i, &self.slots[i])
     }
 
-    /// Finds a live (CREATING or SEALED) entry for `words` among the bits of bucket word `b`.
+    /// Slot `i`'s row of pin counters.
+    fn row(&self, i: usize) -> &[AtomicU16] {
+        &self.pins[i * self.stride..(i + 1) * self.stride]
+    }
+
+    /// Client `c`'s pin counter on slot `i` (`c < stride`, `i < slots`).
+    fn counter(&self, i: usize, c: u16) -> &AtomicU16 {
+        &self.pins[i * self.stride + c as usize]
+    }
+
+    /// Finds a live (CREATING, SEALED or EVICTING) entry for `words` among the bits of
+    /// bucket word `b`.
     fn find_in(&self, home: u64, b: u64, words: &[u64; 4]) -> Option<(usize, Ctl)> {
         let mut bits = b as u32;
         while bits != 0 {
@@ -235,10 +357,7 @@ impl<'a> Table<'a> {
             if !c1.live() {
                 continue;
             }
-            let mut w = [0u64; 4];
-            for (k, x) in w.iter_mut().enumerate() {
-                *x = s.id[k].load(Ordering::Relaxed);
-            }
+            let w = self.id_words(i);
             fence(Ordering::Acquire);
             let c2 = Ctl(s.ctl.load(Ordering::Relaxed));
             if c2.gen() == c1.gen() && c2.live() && &w == words {
@@ -246,6 +365,15 @@ impl<'a> Table<'a> {
             }
         }
         None
+    }
+
+    fn id_words(&self, i: usize) -> [u64; 4] {
+        let s = &self.slots[i];
+        let mut w = [0u64; 4];
+        for (k, x) in w.iter_mut().enumerate() {
+            *x = s.id[k].load(Ordering::Relaxed);
+        }
+        w
     }
 
     fn entry(&self, i: usize) -> Entry {
@@ -257,12 +385,19 @@ impl<'a> Table<'a> {
         )
     }
 
+    /// Slot `i`'s control word (for tests).
+    #[cfg(test)]
+    pub(crate) fn ctl(&self, i: usize) -> Ctl {
+        Ctl(self.slots[i].ctl.load(Ordering::Acquire))
+    }
+
     /// Inserts `id` in state CREATING. The caller owns the returned slot until it seals or
     /// aborts it.
     pub(crate) fn insert(&self, id: &ObjectId, e: &Entry) -> Result<SlotRef> {
         let words = id.words();
         let home = self.home(id);
-        // Claim a free slot in the neighbourhood (not yet visible to lookups).
+        // Claim a free slot in the neighbourhood (not yet visible to lookups). RESERVED
+        // carries our client index, so recovery can return the slot if we die here.
         let mut mine = None;
         for d in 0..NEIGHBORHOOD {
             let (i, s) = self.slot(home, d);
@@ -271,7 +406,7 @@ impl<'a> Table<'a> {
                 && s.ctl
                     .compare_exchange(
                         c.0,
-                        Ctl::new(RESERVED, 0, c.gen()).0,
+                        Ctl::new(RESERVED, Some(self.me), c.gen()).0,
                         Ordering::Acquire,
                         Ordering::Relaxed,
                     )
@@ -296,13 +431,16 @@ impl<'a> Table<'a> {
         s.offset.store(e.offset, Ordering::Relaxed);
         s.len.store(e.len, Ordering::Relaxed);
         s.info.store(e.info() | INFO_REFERENCED, Ordering::Relaxed);
-        s.ctl.store(Ctl::new(CREATING, 0, gen).0, Ordering::Release);
+        s.ctl
+            .store(Ctl::new(CREATING, None, gen).0, Ordering::Release);
         let bucket = &self.buckets[home as usize];
         let mut b = bucket.load(Ordering::Acquire);
         loop {
             if self.find_in(home, b, &words).is_some() {
-                s.ctl
-                    .store(Ctl::new(FREE, 0, gen.wrapping_add(1)).0, Ordering::Release);
+                s.ctl.store(
+                    Ctl::new(FREE, None, gen.wrapping_add(1)).0,
+                    Ordering::Release,
+                );
                 return Err(Error::AlreadyExists { id: *id });
             }
             let nb = ((b >> 32).wrapping_add(1) << 32) | (b as u32 as u64) | (1 << d);
@@ -318,6 +456,49 @@ impl<'a> Table<'a> {
         }
     }
 
+    /// Raises our counter on slot `i` and checks that it is still readable at `gen`.
+    /// On `false` the counter is back down (and any free that it delayed is done).
+    fn try_hold(&self, i: usize, gen: u32) -> Result<bool> {
+        let k = self.counter(i, self.me);
+        if k.fetch_add(1, SC) >= PIN_LIMIT {
+            self.drop_hold(i);
+            return Err(Error::TooManyPins {
+                limit: PIN_LIMIT as u32,
+            });
+        }
+        dekker_fence();
+        let s = &self.slots[i];
+        let mut c = Ctl(s.ctl.load(SC_LOAD));
+        loop {
+            if c.gen() != gen || !c.sealed() {
+                self.drop_hold(i);
+                return Ok(false);
+            }
+            if c.state() == SEALED {
+                return Ok(true);
+            }
+            // EVICTING: our counter is up, so cancel the eviction (the hand re-checks).
+            match s
+                .ctl
+                .compare_exchange(c.0, Ctl::new(SEALED, None, gen).0, SC, SC_LOAD)
+            {
+                Ok(_) => return Ok(true),
+                Err(now) => c = Ctl(now),
+            }
+        }
+    }
+
+    /// Lowers our counter on slot `i`; the last one down frees a DELETED slot (and
+    /// returns its entry).
+    fn drop_hold(&self, i: usize) -> Option<Entry> {
+        let k = self.counter(i, self.me);
+        if k.fetch_sub(1, SC) == 1 {
+            dekker_fence();
+            return self.try_free(i);
+        }
+        None
+    }
+
     /// Looks `id` up and, if sealed, pins it.
     pub(crate) fn pin(&self, id: &ObjectId) -> Result<Pin> {
         let words = id.words();
@@ -328,21 +509,18 @@ impl<'a> Table<'a> {
             let Some((i, c)) = self.find_in(home, b, &words) else {
                 return Ok(Pin::Absent);
             };
+            let r = SlotRef {
+                index: i as u32,
+                gen: c.gen(),
+            };
             if c.state() == CREATING {
-                return Ok(Pin::Creating);
+                let creator = self.entry(i).creator;
+                if self.slots[i].ctl.load(Ordering::Acquire) != c.0 {
+                    continue;
+                }
+                return Ok(Pin::Creating { creator });
             }
-            if c.pins() >= MAX_PINS {
-                return Err(corrupted(format!("slot {i} pin count overflow")));
-            }
-            if self.slots[i]
-                .ctl
-                .compare_exchange(c.0, c.0 + PIN_ONE, Ordering::Acquire, Ordering::Relaxed)
-                .is_ok()
-            {
-                let r = SlotRef {
-                    index: i as u32,
-                    gen: c.gen(),
-                };
+            if self.try_hold(i, c.gen())? {
                 // A get refreshes recency (CLOCK); skip the write when already set.
                 let info = &self.slots[i].info;
                 if info.load(Ordering::Relaxed) & INFO_REFERENCED == 0 {
@@ -356,22 +534,19 @@ impl<'a> Table<'a> {
 
     /// Adds one more pin to a slot the caller already pins (a cloned view).
     pub(crate) fn add_pin(&self, r: SlotRef) -> Result<()> {
-        let s = self.slot_checked(r)?;
-        let mut c = Ctl(s.ctl.load(Ordering::Relaxed));
-        loop {
-            if c.gen() != r.gen || c.pins() == 0 || c.pins() >= MAX_PINS {
-                return Err(corrupted(format!("add_pin on slot {} in {c:?}", r.index)));
+        let i = self.index_checked(r)?;
+        let k = self.counter(i, self.me);
+        let old = k.fetch_add(1, SC);
+        if old == 0 || old >= PIN_LIMIT {
+            self.drop_hold(i);
+            if old == 0 {
+                return Err(corrupted(format!("add_pin on slot {i} without a pin")));
             }
-            match s.ctl.compare_exchange_weak(
-                c.0,
-                c.0 + PIN_ONE,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return Ok(()),
-                Err(now) => c = Ctl(now),
-            }
+            return Err(Error::TooManyPins {
+                limit: PIN_LIMIT as u32,
+            });
         }
+        Ok(())
     }
 
     /// Is `id` present, sealed or being created?
@@ -385,53 +560,89 @@ impl<'a> Table<'a> {
     pub(crate) fn contains_sealed(&self, id: &ObjectId) -> bool {
         let home = self.home(id);
         let b = self.buckets[home as usize].load(Ordering::Acquire);
-        matches!(self.find_in(home, b, &id.words()), Some((_, c)) if c.state() == SEALED)
+        matches!(self.find_in(home, b, &id.words()), Some((_, c)) if c.sealed())
     }
 
-    fn slot_checked(&self, r: SlotRef) -> Result<&Slot> {
-        self.slots
-            .get(r.index as usize)
-            .ok_or_else(|| corrupted(format!("slot index {} out of range", r.index)))
-    }
-
-    /// Drops one pin. Returns the entry when this was the last reference to a deleted
-    /// object: the caller must then free its block and call [`release`](Self::release).
-    pub(crate) fn unpin(&self, r: SlotRef) -> Result<Option<Entry>> {
-        let s = self.slot_checked(r)?;
-        let mut c = Ctl(s.ctl.load(Ordering::Relaxed));
-        loop {
-            if c.gen() != r.gen || c.pins() == 0 || !matches!(c.state(), SEALED | DELETED) {
-                return Err(corrupted(format!("unpin of slot {} in {c:?}", r.index)));
-            }
-            let n = Ctl(c.0 - PIN_ONE);
-            match s
-                .ctl
-                .compare_exchange_weak(c.0, n.0, Ordering::AcqRel, Ordering::Relaxed)
-            {
-                Ok(_) => {
-                    return Ok((n.state() == DELETED && n.pins() == 0)
-                        .then(|| self.entry(r.index as usize)));
-                }
-                Err(now) => c = Ctl(now),
-            }
+    fn index_checked(&self, r: SlotRef) -> Result<usize> {
+        let i = r.index as usize;
+        if i < self.slots.len() {
+            Ok(i)
+        } else {
+            Err(corrupted(format!("slot index {} out of range", r.index)))
         }
     }
 
-    /// Returns a slot whose block has been freed to FREE at the next generation.
+    /// Drops one pin taken by [`pin`](Self::pin) or [`add_pin`](Self::add_pin). If it
+    /// was the last reference to a deleted object, the block is freed here.
+    pub(crate) fn unpin(&self, r: SlotRef) -> Result<()> {
+        let i = self.index_checked(r)?;
+        let k = self.counter(i, self.me);
+        let old = k.fetch_sub(1, SC);
+        if old == 0 {
+            k.fetch_add(1, SC);
+            return Err(corrupted(format!("unpin of slot {i} without a pin")));
+        }
+        if old == 1 {
+            dekker_fence();
+            self.try_free(i);
+        }
+        Ok(())
+    }
+
+    /// If slot `i` is DELETED and no client's counter is raised, moves it to FREEING (one
+    /// CAS, so exactly one caller wins) and has the reclaimer free its block. Returns the
+    /// entry it freed.
+    pub(crate) fn try_free(&self, i: usize) -> Option<Entry> {
+        let s = self.slots.get(i)?;
+        let c = Ctl(s.ctl.load(SC_LOAD));
+        if c.state() != DELETED {
+            return None;
+        }
+        dekker_fence();
+        if self.row(i).iter().any(|k| k.load(SC_LOAD) != 0) {
+            return None;
+        }
+        self.reclaimer.begin_op();
+        let won = s
+            .ctl
+            .compare_exchange(
+                c.0,
+                Ctl::new(FREEING, Some(self.me), c.gen()).0,
+                SC,
+                Ordering::Relaxed,
+            )
+            .is_ok();
+        let freed = won.then(|| {
+            let e = self.entry(i);
+            // The retirer normally unlinked already; it may have died first.
+            self.unlink(i);
+            let r = SlotRef {
+                index: i as u32,
+                gen: c.gen(),
+            };
+            self.reclaimer.reclaim(self, r, e);
+            e
+        });
+        self.reclaimer.end_op();
+        freed
+    }
+
+    /// Returns a FREEING slot (its block already freed) to FREE at the next generation.
     pub(crate) fn release(&self, r: SlotRef) {
         let next = if cfg!(shmstore_mutation = "no_gen_bump") {
             r.gen // deliberate bug, for docs/verification.md
         } else {
             r.gen.wrapping_add(1)
         };
-        if let Ok(s) = self.slot_checked(r) {
-            s.ctl.store(Ctl::new(FREE, 0, next).0, Ordering::Release);
+        if let Some(s) = self.slots.get(r.index as usize) {
+            s.ctl.store(Ctl::new(FREE, None, next).0, Ordering::Release);
         }
     }
 
     /// CREATING -> SEALED, then wakes getters waiting on this id.
     pub(crate) fn seal(&self, id: &ObjectId, r: SlotRef) -> Result<()> {
-        let s = self.slot_checked(r)?;
+        let i = self.index_checked(r)?;
+        let s = &self.slots[i];
         let c = Ctl(s.ctl.load(Ordering::Relaxed));
         if c.state() != CREATING || c.gen() != r.gen {
             return Err(corrupted(format!("seal of slot {} in {c:?}", r.index)));
@@ -445,13 +656,13 @@ impl<'a> Table<'a> {
         s.ctl
             .compare_exchange(
                 c.0,
-                Ctl::new(SEALED, c.pins(), c.gen()).0,
+                Ctl::new(SEALED, None, c.gen()).0,
                 publish,
                 Ordering::Relaxed,
             )
             .map_err(|now| {
                 corrupted(format!(
-                    "slot {} changed under its creator: {:?}",
+                    "slot {} changed under its creator: {:?} (was it recovered as dead?)",
                     r.index,
                     Ctl(now)
                 ))
@@ -460,71 +671,73 @@ impl<'a> Table<'a> {
         Ok(())
     }
 
-    /// Moves a live entry to DELETED holding one reference for the caller, then unlinks it
-    /// from its bucket. `expect` is CREATING (abort) or SEALED (delete).
-    fn retire(&self, id: &ObjectId, r: SlotRef, expect: u64) -> Result<bool> {
-        let s = self.slot_checked(r)?;
-        let mut c = Ctl(s.ctl.load(Ordering::Relaxed));
-        loop {
-            if c.gen() != r.gen || c.state() != expect {
-                return Ok(false);
+    /// Moves slot `i` from one of `from` at `gen` to DELETED and unlinks it. A counter of
+    /// ours is up across the unlink, so nobody frees (and reuses) the slot under us; the
+    /// last counter down frees it. Returns whether this call retired it, and the entry if
+    /// it also freed it.
+    fn retire(&self, i: usize, gen: u32, from: &[u64]) -> (bool, Option<Entry>) {
+        let s = &self.slots[i];
+        let k = self.counter(i, self.me);
+        k.fetch_add(1, SC);
+        let mut c = Ctl(s.ctl.load(SC_LOAD));
+        let retired = loop {
+            if c.gen() != gen || !from.contains(&c.state()) {
+                break false;
             }
-            let extra = if cfg!(shmstore_mutation = "delete_without_ref") {
-                0
-            } else {
-                1
-            };
-            let n = Ctl::new(DELETED, c.pins() + extra, c.gen());
             match s
                 .ctl
-                .compare_exchange_weak(c.0, n.0, Ordering::AcqRel, Ordering::Relaxed)
+                .compare_exchange(c.0, Ctl::new(DELETED, None, gen).0, SC, SC_LOAD)
             {
-                Ok(_) => break,
+                Ok(_) => break true,
                 Err(now) => c = Ctl(now),
             }
+        };
+        if retired {
+            self.unlink(i);
         }
-        self.unlink(id, r)?;
-        Ok(true)
+        (retired, self.drop_hold(i))
     }
 
-    /// Clears a DELETED slot's bit from its home bucket (new lookups stop finding it).
-    fn unlink(&self, id: &ObjectId, r: SlotRef) -> Result<()> {
-        let home = self.home(id);
-        let d = (r.index as u64).wrapping_sub(home) & self.mask;
+    /// Clears slot `i`'s bit from its home bucket, if set (new lookups stop finding it).
+    /// Only called by whoever holds the DELETED or FREEING slot, so its id is stable and
+    /// the bit can only be this entry's.
+    fn unlink(&self, i: usize) {
+        let id = ObjectId::from_words(self.id_words(i));
+        let home = self.home(&id);
+        let d = (i as u64).wrapping_sub(home) & self.mask;
+        if d >= NEIGHBORHOOD {
+            return;
+        }
         let bucket = &self.buckets[home as usize];
         let mut b = bucket.load(Ordering::Relaxed);
-        loop {
-            if d >= NEIGHBORHOOD || b & (1 << d) == 0 {
-                return Err(corrupted(format!(
-                    "slot {} missing from its bucket",
-                    r.index
-                )));
-            }
+        while b & (1 << d) != 0 {
             let nb = ((b >> 32).wrapping_add(1) << 32) | (b as u32 as u64 & !(1 << d));
             match bucket.compare_exchange_weak(b, nb, Ordering::AcqRel, Ordering::Relaxed) {
-                Ok(_) => return Ok(()),
+                Ok(_) => return,
                 Err(now) => b = now,
             }
         }
     }
 
-    /// Aborts an unsealed creation. Returns the entry to free (the creator held the only
-    /// reference, since unsealed objects cannot be pinned).
-    pub(crate) fn abort(&self, id: &ObjectId, r: SlotRef) -> Result<Option<Entry>> {
-        if !self.retire(id, r, CREATING)? {
+    /// Aborts an unsealed creation of ours; the block is freed (unsealed objects have no
+    /// pins) and getters waiting on the id are woken.
+    pub(crate) fn abort(&self, id: &ObjectId, r: SlotRef) -> Result<()> {
+        let i = self.index_checked(r)?;
+        if !self.retire(i, r.gen, &[CREATING]).0 {
             return Err(corrupted(format!(
-                "abort of slot {} not in CREATING",
-                r.index
+                "abort of slot {} not in CREATING at generation {} (was it recovered as dead?)",
+                r.index, r.gen
             )));
         }
-        // Wake getters so they re-check (the id may be created again).
+        // Wake getters so they re-check (the id may be created again, or its creator died).
         self.notify(id);
-        self.unpin(r)
+        Ok(())
     }
 
     /// Deletes a sealed object: new lookups stop finding it at once; the block is freed by
-    /// whoever drops the last pin. Returns the slot and entry if the caller must free it now.
-    pub(crate) fn delete(&self, id: &ObjectId) -> Result<Option<(SlotRef, Entry)>> {
+    /// whoever lowers the last pin counter (here, if none is raised: then its entry is
+    /// returned).
+    pub(crate) fn delete(&self, id: &ObjectId) -> Result<Option<Entry>> {
         let words = id.words();
         let home = self.home(id);
         loop {
@@ -535,12 +748,8 @@ impl<'a> Table<'a> {
             if c.state() == CREATING {
                 return Err(Error::NotSealed { id: *id });
             }
-            let r = SlotRef {
-                index: i as u32,
-                gen: c.gen(),
-            };
-            if self.retire(id, r, SEALED)? {
-                return Ok(self.unpin(r)?.map(|e| (r, e)));
+            if let (true, freed) = self.retire(i, c.gen(), &[SEALED, EVICTING]) {
+                return Ok(freed);
             }
         }
     }
@@ -564,7 +773,8 @@ impl<'a> Table<'a> {
 
     /// Marks an object its creator still holds (CREATING) as never evictable.
     pub(crate) fn set_no_evict(&self, r: SlotRef) -> Result<()> {
-        let s = self.slot_checked(r)?;
+        let i = self.index_checked(r)?;
+        let s = &self.slots[i];
         let c = Ctl(s.ctl.load(Ordering::Relaxed));
         if c.state() != CREATING || c.gen() != r.gen {
             return Err(corrupted(format!(
@@ -577,54 +787,57 @@ impl<'a> Table<'a> {
     }
 
     /// One step of the CLOCK hand at slot `i`: a sealed, unpinned, evictable object that
-    /// was not used since the last pass is deleted (as by [`delete`](Self::delete)) and its
-    /// slot and entry returned for freeing; a used one loses its referenced bit instead.
-    /// Pinned objects are skipped, never waited for.
-    pub(crate) fn clock_step(&self, i: usize) -> Result<Option<(SlotRef, Entry)>> {
+    /// was not used since the last pass is deleted (as by [`delete`](Self::delete)); a used
+    /// one loses its referenced bit instead. Pinned objects are skipped, never waited for.
+    /// Returns whether it evicted.
+    ///
+    /// The hand first moves the slot SEALED -> EVICTING, then reads the pin counters: if
+    /// any is raised it moves the slot back; a pinner that meets EVICTING cancels it
+    /// itself. Only `EVICTING -> DELETED` evicts, so an object is never evicted while a
+    /// pin the hand could not see is taken.
+    pub(crate) fn clock_step(&self, i: usize) -> Result<bool> {
         let Some(s) = self.slots.get(i) else {
-            return Ok(None);
+            return Ok(false);
         };
         let c = Ctl(s.ctl.load(Ordering::Acquire));
-        if c.state() != SEALED || c.pins() != 0 {
-            return Ok(None);
+        if c.state() == EVICTING {
+            // A hand that died mid-step (or a slow one): cancel, the object stays.
+            let _ = s.ctl.compare_exchange(
+                c.0,
+                Ctl::new(SEALED, None, c.gen()).0,
+                SC,
+                Ordering::Relaxed,
+            );
+            return Ok(false);
+        }
+        if c.state() != SEALED {
+            return Ok(false);
         }
         let info = s.info.load(Ordering::Relaxed);
         if info & INFO_NO_EVICT != 0 {
-            return Ok(None);
+            return Ok(false);
         }
         if info & INFO_REFERENCED != 0 {
             s.info.fetch_and(!INFO_REFERENCED, Ordering::Relaxed);
-            return Ok(None);
+            return Ok(false);
         }
-        // Read the id while the generation is known; retire re-checks ctl exactly.
-        let mut w = [0u64; 4];
-        for (k, x) in w.iter_mut().enumerate() {
-            *x = s.id[k].load(Ordering::Relaxed);
-        }
-        fence(Ordering::Acquire);
-        if s.ctl.load(Ordering::Relaxed) != c.0 {
-            return Ok(None);
-        }
-        let id = ObjectId::from_words(w);
-        let r = SlotRef {
-            index: i as u32,
-            gen: c.gen(),
-        };
-        // Only an unpinned object may go: a pin taken meanwhile makes the CAS fail.
-        let mut expect = c;
-        if cfg!(shmstore_mutation = "evict_pinned") {
-            // Deliberate bug, for docs/verification.md: evict whatever the pins are now.
-            expect = Ctl(s.ctl.load(Ordering::Acquire));
-        }
-        let n = Ctl::new(DELETED, expect.pins() + 1, c.gen());
+        let evicting = Ctl::new(EVICTING, None, c.gen());
         if s.ctl
-            .compare_exchange(expect.0, n.0, Ordering::AcqRel, Ordering::Relaxed)
+            .compare_exchange(c.0, evicting.0, SC, Ordering::Relaxed)
             .is_err()
         {
-            return Ok(None);
+            return Ok(false);
         }
-        self.unlink(&id, r)?;
-        Ok(self.unpin(r)?.map(|e| (r, e)))
+        dekker_fence();
+        let pinned = !cfg!(shmstore_mutation = "evict_pinned")
+            && self.row(i).iter().any(|k| k.load(SC_LOAD) != 0);
+        if pinned {
+            let _ = s
+                .ctl
+                .compare_exchange(evicting.0, c.0, SC, Ordering::Relaxed);
+            return Ok(false);
+        }
+        Ok(self.retire(i, c.gen(), &[EVICTING]).0)
     }
 
     /// Pins `id`, waiting until it is sealed or `deadline` passes (`None`: try once).
@@ -705,19 +918,85 @@ impl<'a> Table<'a> {
             .count() as u64
     }
 
-    /// Visits every slot's (index, ctl, id, entry); for stats, audits and listings.
+    /// Sum of slot `i`'s pin counters (a racy snapshot, for stats and audits).
+    pub(crate) fn pins_of(&self, i: usize) -> u64 {
+        self.row(i)
+            .iter()
+            .map(|k| k.load(Ordering::Relaxed) as u64)
+            .sum()
+    }
+
+    /// Client `c`'s counter on slot `i`, or 0 if out of range.
+    pub(crate) fn counter_of(&self, i: usize, c: u64) -> u16 {
+        if i >= self.slots.len() || c as usize >= self.stride {
+            return 0;
+        }
+        self.counter(i, c as u16).load(Ordering::Relaxed)
+    }
+
+    /// Visits every non-FREE slot's (index, ctl, id, entry); for stats, audits, listings
+    /// and recovery.
     pub(crate) fn scan(&self, mut f: impl FnMut(usize, Ctl, ObjectId, Entry)) {
         for (i, s) in self.slots.iter().enumerate() {
             let c = Ctl(s.ctl.load(Ordering::Acquire));
             if c.state() == FREE {
                 continue;
             }
-            let mut w = [0u64; 4];
-            for (k, x) in w.iter_mut().enumerate() {
-                *x = s.id[k].load(Ordering::Relaxed);
-            }
-            f(i, c, ObjectId::from_words(w), self.entry(i));
+            f(i, c, ObjectId::from_words(self.id_words(i)), self.entry(i));
         }
+    }
+
+    // ----- recovery of a dead client (see crate::recovery) -------------------------------
+
+    /// Lowers dead client `dead`'s counter on slot `i` to zero and frees the slot if that
+    /// was the last reference. Idempotent. Returns the entry freed, if any.
+    pub(crate) fn drop_dead_pins(&self, i: usize, dead: u64) -> Option<Entry> {
+        if i >= self.slots.len() || dead as usize >= self.stride {
+            return None;
+        }
+        let k = self.counter(i, dead as u16);
+        if k.swap(0, SC) == 0 {
+            return None;
+        }
+        dekker_fence();
+        self.try_free(i)
+    }
+
+    /// Returns a RESERVED or FREEING slot whose owner died (`c` as read) to FREE at the
+    /// next generation. Its block, if it had one, is left to the leak sweep: the owner may
+    /// have been part-way through the allocator. Idempotent.
+    pub(crate) fn reset_orphan(&self, i: usize, c: Ctl) -> bool {
+        let Some(s) = self.slots.get(i) else {
+            return false;
+        };
+        if !matches!(c.state(), RESERVED | FREEING) {
+            return false;
+        }
+        if c.state() == FREEING {
+            self.unlink(i);
+        }
+        s.ctl
+            .compare_exchange(
+                c.0,
+                Ctl::new(FREE, None, c.gen().wrapping_add(1)).0,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+    }
+
+    /// Aborts a CREATING entry whose creator died, waking its getters. Idempotent.
+    /// Returns whether it aborted, and the entry if the block was freed here.
+    pub(crate) fn abort_orphan(&self, i: usize, gen: u32) -> (bool, Option<Entry>) {
+        if i >= self.slots.len() {
+            return (false, None);
+        }
+        let id = ObjectId::from_words(self.id_words(i));
+        let done = self.retire(i, gen, &[CREATING]);
+        if done.0 {
+            self.notify(&id);
+        }
+        done
     }
 }
 
@@ -726,11 +1005,34 @@ impl<'a> Table<'a> {
 pub(crate) mod testing {
     use super::*;
 
-    /// Owns the sections a [`Table`] borrows.
+    /// Pin counters per slot in heap tables (clients 0..32).
+    pub(crate) const HEAP_STRIDE: usize = 32;
+
+    /// Owns the sections a [`Table`] borrows, and records the blocks it frees.
     pub(crate) struct HeapTable {
         pub slots: Vec<Slot>,
         pub buckets: Vec<AtomicU64>,
         pub waits: Vec<WaitBucket>,
+        pub pins: Vec<AtomicU16>,
+        freed: std::sync::Mutex<Vec<(SlotRef, Entry)>>,
+        /// Written by every free, as the allocator's next owner of the block would: a
+        /// reader that reads it while pinned races with that write unless the pin really
+        /// kept the block (loom reports the race).
+        pub poison: crate::sync::UnsafeCell<u64>,
+    }
+
+    // SAFETY: everything but `poison` is atomics. `poison` is written only by `reclaim`,
+    // which the table calls once per freed slot, and read only by holders of a pin; the
+    // protocol under test orders the two (loom checks exactly that).
+    unsafe impl Sync for HeapTable {}
+
+    impl Reclaimer for HeapTable {
+        fn reclaim(&self, table: &Table<'_>, r: SlotRef, e: Entry) {
+            // SAFETY: loom checks this write against readers holding pins.
+            self.poison.with_mut(|p| unsafe { *p += 1 });
+            self.freed.lock().unwrap().push((r, e));
+            table.release(r);
+        }
     }
 
     impl HeapTable {
@@ -740,12 +1042,38 @@ pub(crate) mod testing {
                 slots: (0..n).map(|_| Slot::default()).collect(),
                 buckets: (0..n).map(|_| AtomicU64::new(0)).collect(),
                 waits: (0..WAIT_BUCKETS).map(|_| WaitBucket::default()).collect(),
+                pins: (0..n * HEAP_STRIDE).map(|_| AtomicU16::new(0)).collect(),
+                freed: Default::default(),
+                poison: crate::sync::UnsafeCell::new(0),
             }
         }
 
-        /// Borrows it as a [`Table`].
+        /// Borrows it as a [`Table`] for client 0.
         pub(crate) fn get(&self) -> Table<'_> {
-            Table::new(&self.slots, &self.buckets, &self.waits)
+            self.as_client(0)
+        }
+
+        /// Borrows it as a [`Table`] for client `me` (< 32).
+        pub(crate) fn as_client(&self, me: u16) -> Table<'_> {
+            let sections = Sections {
+                slots: &self.slots,
+                buckets: &self.buckets,
+                waits: &self.waits,
+                pins: &self.pins,
+                stride: HEAP_STRIDE,
+            };
+            Table::new(sections, me, self)
+        }
+
+        /// The blocks freed so far (each slot was released to FREE after its push).
+        pub(crate) fn freed(&self) -> Vec<(SlotRef, Entry)> {
+            self.freed.lock().unwrap().clone()
+        }
+
+        /// Reads the poison cell: call only while holding a pin; it must still be 0.
+        pub(crate) fn read_while_pinned(&self) -> u64 {
+            // SAFETY: loom checks this read against frees.
+            self.poison.with(|p| unsafe { *p })
         }
     }
 }
@@ -771,7 +1099,7 @@ mod tests {
         let t = h.get();
         let id = ObjectId::of_key("a");
         let r = t.insert(&id, &e(640)).unwrap();
-        assert!(matches!(t.pin(&id).unwrap(), Pin::Creating));
+        assert!(matches!(t.pin(&id).unwrap(), Pin::Creating { creator: 3 }));
         assert!(matches!(
             t.insert(&id, &e(0)),
             Err(Error::AlreadyExists { .. })
@@ -786,17 +1114,19 @@ mod tests {
         assert_eq!(entry, e(640));
         // Delete while pinned: lookups stop at once, the block is not freed yet.
         assert_eq!(t.delete(&id).unwrap(), None);
+        assert!(h.freed().is_empty());
         assert!(matches!(t.pin(&id).unwrap(), Pin::Absent));
         assert!(matches!(t.delete(&id), Err(Error::NotFound { .. })));
         // The same id can be created again while the old one drains.
         let r2 = t.insert(&id, &e(1280)).unwrap();
         assert_ne!(r2.index, r.index);
-        // Last unpin hands the old entry back for freeing.
-        assert_eq!(t.unpin(p).unwrap(), Some(e(640)));
-        t.release(p);
-        assert!(t.unpin(p).is_err(), "stale ref must not unpin");
-        assert_eq!(t.abort(&id, r2).unwrap(), Some(e(1280)));
-        t.release(r2);
+        // The last unpin frees the old entry and returns its slot.
+        t.unpin(p).unwrap();
+        assert_eq!(h.freed(), vec![(r, e(640))]);
+        assert_eq!(t.ctl(r.index as usize), Ctl::new(FREE, None, r.gen + 1));
+        assert!(t.unpin(p).is_err(), "an unpin without a pin must fail");
+        t.abort(&id, r2).unwrap();
+        assert_eq!(h.freed()[1], (r2, e(1280)));
         assert_eq!(t.count_live(), 0);
     }
 
@@ -807,8 +1137,8 @@ mod tests {
         let a = ObjectId::of_key("a");
         let r = t.insert(&a, &e(0)).unwrap();
         t.seal(&a, r).unwrap();
-        assert_eq!(t.delete(&a).unwrap(), Some((r, e(0))));
-        t.release(r);
+        assert_eq!(t.delete(&a).unwrap(), Some(e(0)));
+        assert_eq!(h.freed(), vec![(r, e(0))]);
         // Every new insert lands somewhere; none may be pinned through the old ref.
         for k in 0..20 {
             let id = ObjectId::of_key(format!("b{k}"));
@@ -820,6 +1150,85 @@ mod tests {
         }
         assert!(t.add_pin(r).is_err());
         assert!(t.unpin(r).is_err());
+    }
+
+    #[test]
+    fn pins_of_other_clients_keep_the_block_and_dead_ones_are_dropped() {
+        let h = HeapTable::new(32);
+        let (me, other) = (h.as_client(0), h.as_client(5));
+        let id = ObjectId::of_key("shared");
+        let r = me.insert(&id, &e(0)).unwrap();
+        me.seal(&id, r).unwrap();
+        let Pin::Pinned(p, _) = other.pin(&id).unwrap() else {
+            panic!()
+        };
+        other.add_pin(p).unwrap();
+        assert_eq!(me.pins_of(r.index as usize), 2);
+        assert_eq!(me.delete(&id).unwrap(), None);
+        assert!(h.freed().is_empty(), "freed under another client's pins");
+        assert_eq!(h.read_while_pinned(), 0);
+        // Client 5 dies holding both pins: dropping its counter frees the block once.
+        assert_eq!(me.drop_dead_pins(r.index as usize, 5), Some(e(0)));
+        assert_eq!(me.drop_dead_pins(r.index as usize, 5), None);
+        assert_eq!(h.freed().len(), 1);
+    }
+
+    #[test]
+    fn eviction_skips_pins_and_a_pin_cancels_an_eviction_in_flight() {
+        let h = HeapTable::new(32);
+        let t = h.get();
+        let id = ObjectId::of_key("lru");
+        let r = t.insert(&id, &e(0)).unwrap();
+        t.seal(&id, r).unwrap();
+        let i = r.index as usize;
+        assert!(!t.clock_step(i).unwrap(), "first pass only clears the bit");
+        let Pin::Pinned(p, _) = h.as_client(1).pin(&id).unwrap() else {
+            panic!()
+        };
+        assert!(!t.clock_step(i).unwrap(), "the get set the bit again");
+        assert!(!t.clock_step(i).unwrap(), "pinned objects are skipped");
+        assert_eq!(t.ctl(i).state(), SEALED);
+        // An eviction in flight (a hand that died after SEALED -> EVICTING) is cancelled
+        // by the next pin, and stays readable meanwhile.
+        h.slots[i]
+            .ctl
+            .store(Ctl::new(EVICTING, None, r.gen).0, Ordering::SeqCst);
+        assert!(t.contains_sealed(&id));
+        let Pin::Pinned(q, _) = t.pin(&id).unwrap() else {
+            panic!()
+        };
+        assert_eq!(t.ctl(i).state(), SEALED);
+        t.unpin(q).unwrap();
+        h.as_client(1).unpin(p).unwrap();
+        assert!(!t.clock_step(i).unwrap());
+        assert!(t.clock_step(i).unwrap());
+        assert_eq!(h.freed(), vec![(r, e(0))]);
+    }
+
+    #[test]
+    fn orphans_of_a_dead_client_are_returned() {
+        let h = HeapTable::new(32);
+        let dead = h.as_client(7);
+        let t = h.get();
+        let id = ObjectId::of_key("half-made");
+        let r = dead.insert(&id, &e(64)).unwrap();
+        assert_eq!(t.abort_orphan(r.index as usize, r.gen), (true, Some(e(64))));
+        assert_eq!(
+            t.abort_orphan(r.index as usize, r.gen),
+            (false, None),
+            "idempotent"
+        );
+        assert_eq!(h.freed(), vec![(r, e(64))]);
+        assert!(matches!(t.pin(&id).unwrap(), Pin::Absent));
+        // A slot left RESERVED or FREEING by a dead owner goes back to FREE.
+        let s = &h.slots[3];
+        for state in [RESERVED, FREEING] {
+            let c = Ctl::new(state, Some(7), 9);
+            s.ctl.store(c.0, Ordering::SeqCst);
+            assert_eq!(c.owner(), Some(7));
+            assert!(t.reset_orphan(3, c));
+            assert_eq!(t.ctl(3), Ctl::new(FREE, None, 10));
+        }
     }
 
     #[test]
@@ -849,9 +1258,9 @@ mod tests {
             let h = std::sync::Arc::new(HeapTable::new(64));
             let id = ObjectId::of_key(format!("race{round}"));
             let wins: usize = (0..3)
-                .map(|_| {
+                .map(|k| {
                     let h = h.clone();
-                    std::thread::spawn(move || h.get().insert(&id, &e(0)).is_ok() as usize)
+                    std::thread::spawn(move || h.as_client(k).insert(&id, &e(0)).is_ok() as usize)
                 })
                 .collect::<Vec<_>>()
                 .into_iter()
@@ -880,7 +1289,7 @@ mod tests {
         assert!(start.elapsed() >= Duration::from_millis(29));
         let h2 = h.clone();
         let waiter = std::thread::spawn(move || {
-            let t = h2.get();
+            let t = h2.as_client(1);
             matches!(
                 t.pin_wait(
                     &id,

@@ -91,7 +91,6 @@ impl Harness {
         let cfg = StoreConfig {
             max_objects: 32,
             max_clients: 4,
-            holds_per_client: 64,
             prefault: false,
             when_full,
             ..StoreConfig::with_capacity(CAPACITY)
@@ -393,7 +392,6 @@ pub fn forged_store_bytes(offset: u8, patch: &[u8], file_len: u32) -> Vec<u8> {
         heap_size: 64 << 10,
         table_slots: 32,
         max_clients: 2,
-        holds_per_client: 64,
     };
     let mut sb = params.layout().expect("valid params");
     let mut raw = bytemuck::bytes_of(&sb).to_vec();
@@ -457,9 +455,9 @@ pub fn decode_everything(bytes: &[u8]) {
         }
         u64::from_le_bytes(w)
     };
-    let _ = crate::client::decode_hold(word(0));
+    let _ = crate::client::recoverer_of(word(0));
     let _ = crate::alloc::BlockKind::decode(bytes.first().copied().unwrap_or(0));
-    let _ = crate::table::Ctl(word(1)).pins();
+    let _ = crate::table::Ctl(word(1)).owner();
     let _ = crate::layout::Superblock::validate(
         bytes,
         bytes.len() as u64,

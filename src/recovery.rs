@@ -1,0 +1,389 @@
+//! Recovery: what a dead client held goes back, run by whichever live process meets it.
+//!
+//! There is no daemon. A live process recovers dead clients when it attaches, when an
+//! allocation finds the store full, when a get finds the creator of the object it waits
+//! for dead, on a bounded schedule during creates (at most every
+//! [`MAINTENANCE_PERIOD`]), and on demand (`Store::recover`, `shmstore recover`).
+//!
+//! # Recovering one client (`World::recover_dead`)
+//! 1. **Claim** the dead client's slot with one CAS, `ALIVE -> RECOVERING(by me)`. A slot
+//!    left RECOVERING by a recoverer that died too is taken over the same way.
+//! 2. **Pins:** zero its column of pin counters (every slot, FREE ones included: a pin
+//!    attempt may have raised a counter on a slot that changed meanwhile), and free each
+//!    DELETED slot whose last counter that was.
+//! 3. **Creations:** abort every CREATING entry whose `creator` is the dead client; the
+//!    abort wakes its getters, which report `CreatorDied`.
+//! 4. **Half-done table steps:** a RESERVED or FREEING slot whose `owner` is the dead
+//!    client goes back to FREE at the next generation. Its block (claimed, or part-freed)
+//!    is left to the sweep, because the owner may have died inside the allocator.
+//! 5. If the client's `ops_started != ops_finished`, it died inside an allocator step:
+//!    `sweeps_owed += 1`.
+//! 6. Release the slot (`FREE`, new generation on the next claim).
+//!
+//! Every step is a CAS from a state only the dead client could have left, or a counter
+//! swap, so running it twice does nothing the second time: a recoverer killed midway
+//! leaves the slot RECOVERING, and the next recoverer takes it over and redoes the steps.
+//!
+//! # The leak sweep (`World::sweep`)
+//! An allocator step that dies between two of its word CASes leaves bits that no table
+//! entry names and that cannot be told apart from another process's claim by looking at
+//! the words alone. The sweep settles them by comparing the whole allocator with the whole
+//! table at a moment when provably no live client was inside an ownership-changing step:
+//! it reads every live client's `(ops_started, ops_finished)`, requires them equal, scans
+//! the table and the allocator, and reads the counters again; unchanged counters mean
+//! nothing changed owner in between (every such step bumps `ops_started` before its first
+//! write). Then:
+//! * a block bit set in a live slab that no entry names is freed;
+//! * a slab `live` count above its set bits has its extra reservations dropped;
+//! * a page bit that no page-run entry and no live slab covers is freed.
+//!
+//! All three are safe to do after the snapshot while others run: nobody else can touch a
+//! bit that is set and unnamed (claimers only take clear bits; freers only free what an
+//! entry names). Only one process sweeps at a time (`Globals::sweeper`, taken over if its
+//! holder died); a sweep that finds no quiet moment leaves `sweeps_owed` for the next
+//! try. Sweeping never blocks anyone: it is the only thing that waits for a quiet moment.
+
+use crate::alloc::{blocks_in_slab, Allocator, Block, BlockKind, CLASS_SIZES};
+use crate::capacity::Globals;
+use crate::client::{
+    recoverer_of, state_of, Client, Identity, Liveness, CLIENT_ALIVE, CLIENT_RECOVERING,
+};
+use crate::layout::{CLASSES, PAGE, PAGES_PER_SLAB, SLAB};
+use crate::sync::Ordering;
+use crate::table::{Entry, Reclaimer, Table, CREATING, DELETED, FREE, FREEING, RESERVED};
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// The bounded schedule: a process creating objects checks for dead clients at most this
+/// often.
+pub(crate) const MAINTENANCE_PERIOD: Duration = Duration::from_millis(200);
+
+/// What a recovery pass did.
+///
+/// ```
+/// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+/// let report = s.recover()?;
+/// assert_eq!(report.clients_recovered, 0); // nobody died
+/// # Ok::<(), shmstore::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Dead clients whose slots were returned.
+    pub clients_recovered: u64,
+    /// Pins the dead still held, now dropped.
+    pub pins_released: u64,
+    /// Unsealed objects of dead creators, aborted.
+    pub creations_aborted: u64,
+    /// Table slots a dead client was part-way through changing, returned.
+    pub slots_returned: u64,
+    /// Blocks the leak sweep found belonging to no one, freed.
+    pub leaked_blocks_freed: u64,
+    /// Bytes given back to the allocator by all of the above.
+    pub bytes_reclaimed: u64,
+    /// A leak sweep is still owed: it needs a moment when no live client is inside an
+    /// allocator step, and none came (it is retried on the schedule).
+    pub sweep_pending: bool,
+}
+
+/// Everything recovery touches, as seen by client `me`.
+pub(crate) struct World<'a> {
+    pub table: Table<'a>,
+    pub alloc: Allocator<'a>,
+    pub globals: &'a Globals,
+    pub clients: Vec<Client<'a>>,
+    pub me: u64,
+    pub identity: Identity,
+    pub heap_size: u64,
+    /// Brackets this process's own ownership-changing steps.
+    pub ops: &'a dyn Reclaimer,
+}
+
+impl World<'_> {
+    /// Recovers every dead client (and every recovery left unfinished by a dead
+    /// recoverer), then runs the leak sweep if one is owed.
+    pub(crate) fn recover_dead(&self) -> RecoveryReport {
+        let mut report = RecoveryReport::default();
+        for d in 0..self.clients.len() as u64 {
+            if d == self.me {
+                continue;
+            }
+            if self.claim(d).is_some() {
+                self.recover_client(d, &mut report);
+                self.clients[d as usize].release();
+                report.clients_recovered += 1;
+                self.globals
+                    .recovered_clients
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.sweep(&mut report);
+        self.globals
+            .reclaimed_bytes
+            .fetch_add(report.bytes_reclaimed, Ordering::Relaxed);
+        report
+    }
+
+    /// Whether client `c` is attached (or moving into a dead client's slot, which it
+    /// holds RECOVERING by itself) and its process runs.
+    fn alive(&self, c: u64) -> bool {
+        self.clients.get(c as usize).is_some_and(|cl| {
+            let ctl = cl.ctl();
+            let holds = state_of(ctl) == CLIENT_ALIVE
+                || (state_of(ctl) == CLIENT_RECOVERING && recoverer_of(ctl) == Some(c));
+            holds && cl.process_alive(&self.identity)
+        })
+    }
+
+    /// Takes client `d`'s slot for recovery if its holder (or its recoverer) is dead.
+    fn claim(&self, d: u64) -> Option<u64> {
+        let c = &self.clients[d as usize];
+        let ctl = c.ctl();
+        match state_of(ctl) {
+            CLIENT_ALIVE if !c.process_alive(&self.identity) => c.claim_for_recovery(ctl, self.me),
+            CLIENT_RECOVERING => {
+                let by = recoverer_of(ctl)?;
+                if by == self.me || self.alive(by) || (by == d && c.process_alive(&self.identity)) {
+                    return None; // in hand (maybe by another thread of ours)
+                }
+                c.claim_for_recovery(ctl, self.me)
+            }
+            _ => None,
+        }
+    }
+
+    fn bytes(&self, e: &Entry) -> u64 {
+        e.block(self.heap_size).map_or(0, |(b, _)| b.size)
+    }
+
+    /// Cleans up the slot this process just inherited from a dead client (we hold it
+    /// RECOVERING by ourselves), before we use it.
+    pub(crate) fn recover_own_slot(&self, report: &mut RecoveryReport) {
+        self.recover_client(self.me, report);
+        report.clients_recovered += 1;
+        self.globals
+            .recovered_clients
+            .fetch_add(1, Ordering::Relaxed);
+        self.globals
+            .reclaimed_bytes
+            .fetch_add(report.bytes_reclaimed, Ordering::Relaxed);
+    }
+
+    /// Steps 2-5 of the module docs for dead client `d` (whose slot we hold).
+    fn recover_client(&self, d: u64, report: &mut RecoveryReport) {
+        let (started, finished) = self.clients[d as usize].ops();
+        let mut owe = started != finished;
+        let t = &self.table;
+        for i in 0..t.capacity() as usize {
+            let k = t.counter_of(i, d);
+            if k != 0 {
+                report.pins_released += k as u64;
+                if let Some(e) = t.drop_dead_pins(i, d) {
+                    report.bytes_reclaimed += self.bytes(&e);
+                }
+            }
+        }
+        let mut creating = Vec::new();
+        let mut orphans = Vec::new();
+        let mut deleted = Vec::new();
+        t.scan(|i, c, _, e| match c.state() {
+            RESERVED | FREEING if c.owner() == Some(d) => orphans.push((i, c)),
+            CREATING if e.creator as u64 == d => creating.push((i, c.gen())),
+            DELETED => deleted.push(i),
+            _ => {}
+        });
+        for (i, c) in orphans {
+            if t.reset_orphan(i, c) {
+                report.slots_returned += 1;
+                owe = true;
+            }
+        }
+        for (i, gen) in creating {
+            let (aborted, freed) = t.abort_orphan(i, gen);
+            report.creations_aborted += aborted as u64;
+            if let Some(e) = freed {
+                report.bytes_reclaimed += self.bytes(&e);
+            }
+        }
+        // A retirer that died between DELETED and its last counter left nobody to free.
+        for i in deleted {
+            if let Some(e) = t.try_free(i) {
+                report.bytes_reclaimed += self.bytes(&e);
+            }
+        }
+        if owe {
+            self.globals.sweeps_owed.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Runs the leak sweep if one is owed and nobody else is sweeping. Returns whether no
+    /// sweep is owed any more.
+    pub(crate) fn sweep(&self, report: &mut RecoveryReport) -> bool {
+        let g = self.globals;
+        let owed = g.sweeps_owed.load(Ordering::Acquire);
+        if owed == 0 {
+            return true;
+        }
+        let holder = g.sweeper.load(Ordering::Acquire);
+        if let Some(h) = holder.checked_sub(1) {
+            if h == self.me || self.alive(h) {
+                report.sweep_pending = true;
+                return false;
+            }
+        }
+        if g.sweeper
+            .compare_exchange(holder, self.me + 1, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            report.sweep_pending = true;
+            return false;
+        }
+        let done = self.sweep_owned(report);
+        let _ = g
+            .sweeper
+            .compare_exchange(self.me + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
+        if done {
+            g.sweeps_owed.fetch_sub(owed, Ordering::AcqRel);
+        } else {
+            report.sweep_pending = true;
+        }
+        done
+    }
+
+    /// The sweep proper (we hold the sweeper token). `false`: no quiet moment, try later.
+    fn sweep_owned(&self, report: &mut RecoveryReport) -> bool {
+        // Dead clients' marks must be settled first.
+        for (d, c) in self.clients.iter().enumerate() {
+            if d as u64 != self.me
+                && matches!(
+                    c.liveness(&self.identity),
+                    Liveness::Dead | Liveness::Recovering
+                )
+            {
+                return false;
+            }
+        }
+        let ops = || -> Vec<(u64, u64)> { self.clients.iter().map(|c| c.ops()).collect() };
+        let before = ops();
+        if before
+            .iter()
+            .enumerate()
+            .any(|(d, (s, f))| d as u64 != self.me && s != f)
+        {
+            return false;
+        }
+        // Everything the table names.
+        let words = self.alloc.page_words();
+        let mut page_owned = vec![0u64; words];
+        let mut slab_named: HashMap<usize, [u64; 16]> = HashMap::new();
+        let mut settled = true;
+        self.table.scan(|_, c, _, e| {
+            if c.state() == RESERVED {
+                settled = false;
+                return;
+            }
+            if c.state() == FREE {
+                return;
+            }
+            match e.block(self.heap_size) {
+                Ok((b, _)) => mark(&mut page_owned, &mut slab_named, &b),
+                Err(_) => settled = false, // corrupt entry: do not guess around it
+            }
+        });
+        if !settled {
+            return false;
+        }
+        let snap = self.alloc.snapshot();
+        let mine = |v: Vec<(u64, u64)>| -> Vec<(u64, u64)> {
+            v.into_iter()
+                .enumerate()
+                .filter(|(d, _)| *d as u64 != self.me)
+                .map(|(_, x)| x)
+                .collect()
+        };
+        if mine(ops()) != mine(before) {
+            return false;
+        }
+        self.ops.begin_op();
+        for (s, (st, bits)) in snap.slabs.iter().enumerate() {
+            let c = (st >> 16) as usize;
+            if c == 0 || c > CLASSES as usize {
+                continue;
+            }
+            let class = c - 1;
+            let first = s as u64 * PAGES_PER_SLAB;
+            for p in first..first + PAGES_PER_SLAB {
+                page_owned[(p / 64) as usize] |= 1 << (p % 64);
+            }
+            let named = slab_named.get(&s).copied().unwrap_or([0; 16]);
+            let size = CLASS_SIZES[class];
+            let mut ones = 0;
+            for (w, (&b, &n)) in bits.iter().zip(&named).enumerate() {
+                ones += b.count_ones() as u64;
+                let mut leaked = b & !n;
+                while leaked != 0 {
+                    let idx = w as u64 * 64 + leaked.trailing_zeros() as u64;
+                    leaked &= leaked - 1;
+                    if idx >= blocks_in_slab(class) {
+                        continue;
+                    }
+                    let block = Block {
+                        offset: s as u64 * SLAB + idx * size,
+                        size,
+                        kind: BlockKind::Slab(class as u8),
+                    };
+                    if self.alloc.free(block).is_ok() {
+                        report.leaked_blocks_freed += 1;
+                        report.bytes_reclaimed += size;
+                    }
+                }
+            }
+            let live = st & 0xffff;
+            if live > ones {
+                self.alloc.drop_leaked_reservations(s, class, live - ones);
+            }
+        }
+        let mut p = 0;
+        while p < snap.npages {
+            let leaked = |q: u64| {
+                let w = (q / 64) as usize;
+                (snap.pages[w] & !page_owned[w]) >> (q % 64) & 1 == 1
+            };
+            if !leaked(p) {
+                p += 1;
+                continue;
+            }
+            let first = p;
+            while p < snap.npages && leaked(p) {
+                p += 1;
+            }
+            if self.alloc.free_leaked_pages(first, p - first).is_ok() {
+                report.leaked_blocks_freed += 1;
+                report.bytes_reclaimed += (p - first) * PAGE;
+            }
+        }
+        self.ops.end_op();
+        true
+    }
+}
+
+/// Marks block `b` as named by the table.
+fn mark(page_owned: &mut [u64], slab_named: &mut HashMap<usize, [u64; 16]>, b: &Block) {
+    match b.kind {
+        BlockKind::Pages => {
+            for p in b.offset / PAGE..(b.offset + b.size) / PAGE {
+                if let Some(w) = page_owned.get_mut((p / 64) as usize) {
+                    *w |= 1 << (p % 64);
+                }
+            }
+        }
+        BlockKind::Slab(c) => {
+            let size = CLASS_SIZES[c as usize];
+            let s = (b.offset / SLAB) as usize;
+            let idx = (b.offset % SLAB) / size;
+            let bits = slab_named.entry(s).or_insert([0; 16]);
+            if let Some(w) = bits.get_mut((idx / 64) as usize) {
+                *w |= 1 << (idx % 64);
+            }
+        }
+    }
+}

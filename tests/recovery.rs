@@ -1,0 +1,226 @@
+//! Crash recovery with real processes killed by SIGKILL: pins and unfinished creations of
+//! the dead come back, getters of a dead creator fail fast with `CreatorDied`, a full
+//! store reclaims what the dead held, a new process takes over a dead client's slot, and
+//! a store can remove itself when its last client leaves.
+
+mod common;
+
+use common::{child_role, hear, say, spawn, unique_name, Cleanup, Proc};
+use shmstore::{Error, ObjectId, Store, StoreConfig};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const ENTRY: &str = "child_entry";
+
+fn new_store(tag: &str, cfg: StoreConfig) -> (Store, Cleanup) {
+    let store = Store::create(&unique_name(tag), &cfg).unwrap();
+    let path = store.path().unwrap().to_path_buf();
+    (store, Cleanup(path))
+}
+
+fn child(role: &str, store: &Store, extra: &[String]) -> Proc {
+    let mut args = vec![store.path().unwrap().display().to_string()];
+    args.extend_from_slice(extra);
+    spawn(ENTRY, role, &args)
+}
+
+fn kill(mut p: Proc) {
+    p.child.kill().unwrap(); // SIGKILL
+    p.child.wait().unwrap();
+}
+
+/// Child processes: dispatched on `SHMSTORE_CHILD`. Runs only when started by a test below.
+#[test]
+#[ignore = "child process entry point, started by the other tests"]
+fn child_entry() {
+    let (role, args) = child_role().expect("child_entry runs only as a child process");
+    let store = Store::open_path(Path::new(&args[0])).unwrap();
+    let id = |s: &str| s.parse::<ObjectId>().unwrap();
+    match role.as_str() {
+        // Pin args[1] three times, start creating args[2] (never sealed), then wait to die.
+        "hold-and-create" => {
+            let v = store.try_get(&id(&args[1])).unwrap();
+            let more = (v.try_clone().unwrap(), v.try_clone().unwrap());
+            let mut c = store.create_object(&id(&args[2]), 300_000).unwrap();
+            c.fill(7);
+            say("holding");
+            let _ = hear(); // killed before the parent says anything
+            drop((v, more, c));
+        }
+        // Start creating args[1] of args[2] bytes, never seal.
+        "create-only" => {
+            let len: u64 = args[2].parse().unwrap();
+            let c = store.create_object(&id(&args[1]), len).unwrap();
+            say("creating");
+            let _ = hear();
+            drop(c);
+        }
+        // Attach and exit cleanly when told.
+        "attach" => {
+            say("attached");
+            let _ = hear();
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+#[test]
+fn pins_and_creations_of_a_killed_process_are_reclaimed() {
+    let (store, _c) = new_store("reclaim", StoreConfig::with_capacity(8 << 20));
+    let held = ObjectId::of_key("held");
+    store.put(&held, &vec![1u8; 500_000]).unwrap();
+    let pending = ObjectId::of_key("pending");
+    let mut p = child(
+        "hold-and-create",
+        &store,
+        &[held.to_string(), pending.to_string()],
+    );
+    assert_eq!(p.recv(), "holding");
+    kill(p);
+    let st = store.stats();
+    assert_eq!((st.dead_clients, st.pins, st.creating), (1, 3, 1), "{st:?}");
+    // Deleting the pinned object only unlinks it: the dead process's pins hold the block.
+    store.delete(&held).unwrap();
+    assert_eq!(store.stats().draining, 1);
+    let r = store.recover().unwrap();
+    assert_eq!(r.clients_recovered, 1, "{r:?}");
+    assert_eq!(r.pins_released, 3, "{r:?}");
+    assert_eq!(r.creations_aborted, 1, "{r:?}");
+    assert_eq!(
+        r.bytes_reclaimed,
+        500_000u64.div_ceil(4096) * 4096 + 300_000u64.div_ceil(4096) * 4096
+    );
+    let st = store.stats();
+    assert_eq!(
+        (
+            st.used,
+            st.objects,
+            st.draining,
+            st.creating,
+            st.pins,
+            st.dead_clients
+        ),
+        (0, 0, 0, 0, 0, 0),
+        "{st:?}"
+    );
+    assert_eq!(
+        (st.recovered_clients, st.reclaimed_bytes),
+        (1, r.bytes_reclaimed)
+    );
+    assert_eq!(st.largest_free, st.capacity);
+    store.check_invariants().unwrap();
+    // The aborted id can be created again.
+    store.put(&pending, b"again").unwrap();
+    // Recovery is idempotent: nothing left to do.
+    assert_eq!(store.recover().unwrap().clients_recovered, 0);
+}
+
+#[test]
+fn a_get_waiting_on_a_killed_creator_fails_fast_with_creator_died() {
+    let (store, _c) = new_store("creator-died", StoreConfig::with_capacity(4 << 20));
+    let id = ObjectId::of_key("never-sealed");
+    let mut p = child("create-only", &store, &[id.to_string(), "1000".into()]);
+    assert_eq!(p.recv(), "creating");
+    let pid = p.child.id() as u64;
+    let s2 = store.clone();
+    let waiter = std::thread::spawn(move || {
+        let t = Instant::now();
+        (s2.get(&id, Duration::from_secs(60)), t.elapsed())
+    });
+    // Whether the getter is already asleep on the unsealed object when the creator dies
+    // or only meets it afterwards, it must give up well before its 60 s timeout.
+    kill(p);
+    let (res, waited) = waiter.join().unwrap();
+    match res {
+        Err(e @ Error::CreatorDied { pid: got, .. }) => {
+            assert_eq!(got, pid);
+            assert!(e.to_string().contains("died"), "{e}");
+        }
+        other => panic!("expected CreatorDied, got {other:?}"),
+    }
+    assert!(waited < Duration::from_secs(5), "waited {waited:?}");
+    // The getter recovered the creator on its way out.
+    let st = store.stats();
+    assert_eq!((st.used, st.creating, st.dead_clients), (0, 0, 0), "{st:?}");
+}
+
+#[test]
+fn a_full_store_reclaims_what_a_killed_process_held() {
+    let cap = 4 << 20;
+    let (store, _c) = new_store("full", StoreConfig::with_capacity(cap));
+    let big = ObjectId::of_key("hog");
+    let mut p = child("create-only", &store, &[big.to_string(), cap.to_string()]);
+    assert_eq!(p.recv(), "creating");
+    kill(p);
+    // The whole heap is held by the dead creator's unsealed object; the allocation finds
+    // the store full, recovers the dead client and succeeds.
+    store
+        .put(&ObjectId::of_key("next"), &vec![3u8; cap as usize])
+        .unwrap();
+    let st = store.stats();
+    assert_eq!((st.recovered_clients, st.objects), (1, 1), "{st:?}");
+}
+
+#[test]
+fn a_new_process_takes_over_a_dead_clients_slot_when_none_is_free() {
+    let cfg = StoreConfig {
+        max_clients: 2,
+        ..StoreConfig::with_capacity(1 << 20)
+    };
+    let (store, c) = new_store("takeover", cfg);
+    let id = ObjectId::of_key("x");
+    store.put(&id, b"abc").unwrap();
+    let mut p = child(
+        "hold-and-create",
+        &store,
+        &[id.to_string(), ObjectId::of_key("y").to_string()],
+    );
+    assert_eq!(p.recv(), "holding");
+    kill(p);
+    // Both client slots are taken (us and the dead child): attaching takes over the dead
+    // one, after returning what it held.
+    let again = Store::open_path(&c.0).unwrap();
+    let st = again.stats();
+    assert_eq!(
+        (st.clients, st.dead_clients, st.pins, st.creating),
+        (2, 0, 0, 0),
+        "{st:?}"
+    );
+    assert_eq!(&*again.try_get(&id).unwrap(), b"abc");
+    again.check_invariants().unwrap();
+}
+
+#[test]
+fn a_store_can_remove_itself_when_its_last_client_leaves() {
+    let cfg = StoreConfig {
+        remove_when_unused: true,
+        ..StoreConfig::with_capacity(1 << 20)
+    };
+    let (store, c) = new_store("autoremove", cfg);
+    let mut p = child("attach", &store, &[]);
+    assert_eq!(p.recv(), "attached");
+    drop(store);
+    assert!(c.0.exists(), "another client is still attached");
+    kill(p);
+    // The last live client is now whoever attaches and leaves: it recovers the dead
+    // child, sees nobody left, and removes the file.
+    drop(Store::open_path(&c.0).unwrap());
+    assert!(!c.0.exists(), "the store should be gone");
+}
+
+#[test]
+fn a_store_left_by_a_crashed_run_is_detected_and_reused() {
+    let (store, c) = new_store("stale", StoreConfig::with_capacity(1 << 20));
+    let id = ObjectId::of_key("survivor");
+    store.put(&id, b"kept").unwrap();
+    let mut p = child("attach", &store, &[]);
+    assert_eq!(p.recv(), "attached");
+    // Forget our own attachment without detaching, as a crash would.
+    std::mem::forget(store);
+    kill(p);
+    // (Our own slot still names this live process: only the child is dead.)
+    let reopened = Store::open_path(&c.0).unwrap();
+    let st = reopened.stats();
+    assert_eq!(st.recovered_clients, 1, "{st:?}");
+    assert_eq!(&*reopened.try_get(&id).unwrap(), b"kept");
+}
