@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 pub struct Proc {
     pub child: Child,
     stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+    stdout: Option<BufReader<ChildStdout>>,
 }
 
 /// Starts `entry` (an `#[ignore]`d test in the same binary) as a child with `role` and args.
@@ -34,7 +34,7 @@ pub fn spawn(entry: &str, role: &str, args: &[String]) -> Proc {
         .spawn()
         .expect("spawn child");
     let stdin = child.stdin.take().unwrap();
-    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let stdout = Some(BufReader::new(child.stdout.take().unwrap()));
     Proc {
         child,
         stdin,
@@ -47,12 +47,18 @@ impl Proc {
     pub fn recv(&mut self) -> String {
         loop {
             let mut line = String::new();
-            let n = self.stdout.read_line(&mut line).expect("read child");
+            let out = self.stdout.as_mut().expect("stdout was taken");
+            let n = out.read_line(&mut line).expect("read child");
             assert!(n > 0, "child exited before answering");
             if let Some(msg) = line.trim_end().strip_prefix('@') {
                 return msg.to_string();
             }
         }
+    }
+
+    /// Takes the child's stdout, to read it from another thread.
+    pub fn take_stdout(&mut self) -> BufReader<ChildStdout> {
+        self.stdout.take().expect("stdout was taken")
     }
 
     /// Sends one line to the child.
