@@ -107,6 +107,17 @@ impl StoreConfig {
         }
     }
 
+    /// How the creator itself attaches.
+    fn attach_options(&self) -> AttachOptions {
+        AttachOptions {
+            prefault: self.prefault,
+            huge_pages: self.huge_pages,
+            get_spin: self.get_spin,
+            read_only: false,
+            recover_on_attach: false, // a new store has no dead clients
+        }
+    }
+
     fn params(&self) -> Params {
         let slab = crate::layout::SLAB;
         let slots = (self.max_objects.max(16) * 2)
@@ -139,6 +150,10 @@ pub struct AttachOptions {
     /// the kernel faults any write to them; creating and deleting objects is refused.
     /// Pins still work (they live in the metadata, which stays writable).
     pub read_only: bool,
+    /// Recover dead clients while attaching (the default). Off, dead clients are left
+    /// until this process's first maintenance or an explicit [`Store::recover`], whose
+    /// report then covers them (what `shmstore recover` does).
+    pub recover_on_attach: bool,
 }
 
 impl Default for AttachOptions {
@@ -148,6 +163,7 @@ impl Default for AttachOptions {
             huge_pages: HugePages::Off,
             get_spin: DEFAULT_GET_SPIN,
             read_only: false,
+            recover_on_attach: true,
         }
     }
 }
@@ -371,12 +387,8 @@ impl Reclaimer for Inner {
 }
 
 impl Inner {
-    fn attach(
-        map: Mapping,
-        sb: Superblock,
-        get_spin: Duration,
-        read_only: bool,
-    ) -> Result<Arc<Inner>> {
+    fn attach(map: Mapping, sb: Superblock, opts: &AttachOptions) -> Result<Arc<Inner>> {
+        let (get_spin, read_only) = (opts.get_spin, opts.read_only);
         if read_only {
             map.protect_read_only(sb.heap_offset, sb.heap_size)?;
         }
@@ -483,8 +495,14 @@ impl Inner {
                 });
             }
         }
-        // Reclaim what dead processes left, now rather than at the first full store.
-        inner.maintain();
+        if opts.recover_on_attach {
+            // Reclaim what dead processes left, now rather than at the first full store.
+            inner.maintain();
+        } else {
+            inner
+                .next_maintenance_ns
+                .store(MAINTENANCE_PERIOD.as_nanos() as u64, Ordering::Relaxed);
+        }
         Ok(inner)
     }
 
@@ -717,7 +735,7 @@ impl Store {
         let sb = Self::superblock_for(cfg)?;
         let map =
             Mapping::create_named(&cfg.dir, name, &sb, cfg.mode, cfg.huge_pages, cfg.prefault)?;
-        Self::attach(map, sb, cfg.get_spin, false)
+        Self::attach(map, sb, &cfg.attach_options())
     }
 
     /// Creates an anonymous store in a memfd. Share it with [`Store::fd`] (a child opens
@@ -731,7 +749,7 @@ impl Store {
     pub fn create_anonymous(cfg: &StoreConfig) -> Result<Store> {
         let sb = Self::superblock_for(cfg)?;
         let map = Mapping::create_memfd(&sb, cfg.huge_pages, cfg.prefault)?;
-        Self::attach(map, sb, cfg.get_spin, false)
+        Self::attach(map, sb, &cfg.attach_options())
     }
 
     /// Opens the named store `/dev/shm/name`.
@@ -768,7 +786,7 @@ impl Store {
     /// ```
     pub fn open_with(path: impl AsRef<Path>, opts: &AttachOptions) -> Result<Store> {
         let (map, sb) = Mapping::open(path.as_ref(), opts.huge_pages, opts.prefault)?;
-        Self::attach(map, sb, opts.get_spin, opts.read_only)
+        Self::attach(map, sb, opts)
     }
 
     /// Removes the store's name; attached processes keep working, and the memory is
@@ -808,9 +826,9 @@ impl Store {
         Ok(sb)
     }
 
-    fn attach(map: Mapping, sb: Superblock, get_spin: Duration, read_only: bool) -> Result<Store> {
+    fn attach(map: Mapping, sb: Superblock, opts: &AttachOptions) -> Result<Store> {
         Ok(Store {
-            inner: Inner::attach(map, sb, get_spin, read_only)?,
+            inner: Inner::attach(map, sb, opts)?,
         })
     }
 

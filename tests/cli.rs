@@ -1,4 +1,4 @@
-//! The `shmstore` command-line tools: stat, ls, rm.
+//! The `shmstore` command-line tools: stat, ls, rm, recover.
 
 mod common;
 
@@ -113,4 +113,19 @@ fn stat_reports_a_killed_client_as_dead() {
     assert_eq!((st.clients, st.dead_clients), (1, 1), "{st:?}");
     let (ok, out, _) = shmstore(&["stat", &name]);
     assert!(ok && out.contains("1 dead client"), "{out}");
+    let (ok, out, err) = shmstore(&["recover", &name, "--json"]);
+    assert!(ok, "{err}");
+    assert_eq!(field(&out, "clients_recovered"), 1, "{out}");
+    let (ok, out, _) = shmstore(&["stat", &name, "--json"]);
+    assert!(ok);
+    assert_eq!(
+        (
+            field(&out, "clients_dead"),
+            field(&out, "clients_recovered")
+        ),
+        (0, 1),
+        "{out}"
+    );
+    let (ok, out, _) = shmstore(&["recover", &name]);
+    assert!(ok && out.contains("recovered 0 dead client(s)"), "{out}");
 }

@@ -20,6 +20,8 @@ commands:
   stat NAME [--json]         capacity, use, objects, pins, clients alive and dead
   ls NAME [--json]           every object with its size, state and pins
   rm NAME                    remove a store's name (checks that it is a store first)
+  recover NAME [--json]      reclaim what dead processes left: pins, unsealed objects,
+                             half-done allocations (live processes also do this by themselves)
   help                       this text
 
 NAME is a store in /dev/shm, or a path if it contains '/'.
@@ -48,7 +50,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Some(cmd @ ("stat" | "ls" | "rm")) => {
+        Some(cmd @ ("stat" | "ls" | "rm" | "recover")) => {
             let json = args[1..].iter().any(|a| a == "--json");
             let names: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with("--")).collect();
             let [name] = names[..] else {
@@ -58,6 +60,7 @@ fn main() -> ExitCode {
             let r = match cmd {
                 "stat" => tools::stat(name, json),
                 "ls" => tools::ls(name, json),
+                "recover" => tools::recover(name, json),
                 _ => tools::rm(name),
             };
             match r {

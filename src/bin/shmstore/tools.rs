@@ -1,5 +1,5 @@
-//! `shmstore stat | ls | rm NAME`: inspect and remove stores. They attach read-only (the
-//! kernel forbids them to write payloads) and without prefaulting.
+//! `shmstore stat | ls | rm | recover NAME`: inspect, repair and remove stores. All but
+//! `recover` attach read-only (the kernel forbids them to write payloads); none prefaults.
 
 use shmstore::{AttachOptions, ObjectState, Store};
 use std::path::PathBuf;
@@ -15,10 +15,16 @@ fn resolve(name: &str) -> PathBuf {
 }
 
 fn attach(name: &str) -> Result<Store, String> {
+    attach_with(name, true)
+}
+
+fn attach_with(name: &str, read_only: bool) -> Result<Store, String> {
     let opts = AttachOptions {
         prefault: false,
-        read_only: true,
+        read_only,
         get_spin: Duration::ZERO,
+        // `recover` wants the report of what it reclaimed; the others only look.
+        recover_on_attach: false,
         ..Default::default()
     };
     Store::open_with(resolve(name), &opts).map_err(|e| e.to_string())
@@ -46,9 +52,10 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
     let others = st.clients.saturating_sub(1);
     if json {
         println!(
-            "{{\"capacity\":{},\"used\":{},\"free\":{},\"largest_free\":{},\"objects\":{},\"creating\":{},\"draining\":{},\"pinned\":{},\"pins\":{},\"clients_alive\":{},\"clients_dead\":{},\"evictions\":{},\"table_slots\":{}}}",
+            "{{\"capacity\":{},\"used\":{},\"free\":{},\"largest_free\":{},\"objects\":{},\"creating\":{},\"draining\":{},\"pinned\":{},\"pins\":{},\"clients_alive\":{},\"clients_dead\":{},\"clients_recovered\":{},\"bytes_reclaimed\":{},\"sweep_pending\":{},\"evictions\":{},\"table_slots\":{}}}",
             st.capacity, st.used, st.free, st.largest_free, st.objects, st.creating, st.draining,
-            st.pinned, st.pins, others, st.dead_clients, st.evictions, st.table_slots
+            st.pinned, st.pins, others, st.dead_clients, st.recovered_clients, st.reclaimed_bytes,
+            st.sweep_pending, st.evictions, st.table_slots
         );
         return Ok(());
     }
@@ -74,6 +81,17 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
         ),
         ("clients alive", others.to_string()),
         ("clients dead", st.dead_clients.to_string()),
+        ("clients recovered", st.recovered_clients.to_string()),
+        ("bytes reclaimed", human(st.reclaimed_bytes)),
+        (
+            "leak sweep",
+            if st.sweep_pending {
+                "pending"
+            } else {
+                "none owed"
+            }
+            .to_string(),
+        ),
         ("evictions", st.evictions.to_string()),
         ("table slots", st.table_slots.to_string()),
     ];
@@ -81,10 +99,17 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
         println!("{k:<20} {v}");
     }
     if st.dead_clients > 0 {
-        println!("\n{} dead client(s) still hold their slots; their pins and unfinished creations are not reclaimed yet.", st.dead_clients);
+        println!(
+            "\n{} dead client(s) still hold their slots; live processes reclaim them on their \
+             next maintenance, or now with `shmstore recover {name}`.",
+            st.dead_clients
+        );
     }
     if others == 0 && st.dead_clients > 0 {
-        println!("No live process is attached: this store looks stale. Remove it with `shmstore rm {name}`.");
+        println!(
+            "No live process is attached: this store was left by a crashed run. Reuse it \
+             (`shmstore recover {name}`, or just attach) or remove it (`shmstore rm {name}`)."
+        );
     }
     Ok(())
 }
@@ -147,6 +172,36 @@ pub fn rm(name: &str) -> Result<(), String> {
         );
     } else {
         println!("removed {}", path.display());
+    }
+    Ok(())
+}
+
+pub fn recover(name: &str, json: bool) -> Result<(), String> {
+    let s = attach_with(name, false)?;
+    let r = s.recover().map_err(|e| e.to_string())?;
+    if json {
+        println!(
+            "{{\"clients_recovered\":{},\"pins_released\":{},\"creations_aborted\":{},\"slots_returned\":{},\"leaked_blocks_freed\":{},\"bytes_reclaimed\":{},\"sweep_pending\":{}}}",
+            r.clients_recovered, r.pins_released, r.creations_aborted, r.slots_returned,
+            r.leaked_blocks_freed, r.bytes_reclaimed, r.sweep_pending
+        );
+        return Ok(());
+    }
+    println!(
+        "recovered {} dead client(s): {} pin(s) released, {} unsealed object(s) aborted, \
+         {} half-changed slot(s) returned, {} leaked block(s) freed, {} reclaimed",
+        r.clients_recovered,
+        r.pins_released,
+        r.creations_aborted,
+        r.slots_returned,
+        r.leaked_blocks_freed,
+        human(r.bytes_reclaimed)
+    );
+    if r.sweep_pending {
+        println!(
+            "a leak sweep is still owed: live processes were allocating the whole time; \
+             it runs on their own schedule, or rerun this when the store is quieter"
+        );
     }
     Ok(())
 }
