@@ -123,6 +123,22 @@ impl World<'_> {
         report
     }
 
+    /// What a recoverer killed midway leaves (for tests): claims every dead client and
+    /// drops its pins, but neither aborts its creations nor releases its slot. Returns the
+    /// number of clients claimed.
+    pub(crate) fn recover_dead_interrupted(&self) -> u64 {
+        let mut n = 0;
+        for d in 0..self.clients.len() as u64 {
+            if d != self.me && self.claim(d).is_some() {
+                for i in 0..self.table.capacity() as usize {
+                    self.table.drop_dead_pins(i, d);
+                }
+                n += 1;
+            }
+        }
+        n
+    }
+
     /// Whether client `c` is attached (or moving into a dead client's slot, which it
     /// holds RECOVERING by itself) and its process runs.
     fn alive(&self, c: u64) -> bool {

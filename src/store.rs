@@ -1401,6 +1401,11 @@ impl Store {
         self.inner.scribble_metadata(offset, bytes)
     }
 
+    /// Test hook: a recovery that stops halfway (see `testing::interrupted_recovery`).
+    pub(crate) fn recover_interrupted(&self) -> u64 {
+        self.inner.world().recover_dead_interrupted()
+    }
+
     /// Allocates a raw block with no table entry. For the allocator benchmark only: the
     /// block is not attributed to any object; free it with [`Store::raw_free`].
     #[doc(hidden)]

@@ -469,3 +469,11 @@ pub fn decode_everything(bytes: &[u8]) {
     }
     crate::store::resolve_untrusted(word(3), word(4), word(5));
 }
+
+/// Starts recovering every dead client and stops halfway, as a recoverer killed midway
+/// would (slots claimed RECOVERING, pins dropped, creations not aborted, slots not
+/// released). For the test that the next recoverer finishes the job. Returns the number
+/// of clients it claimed.
+pub fn interrupted_recovery(store: &Store) -> u64 {
+    store.recover_interrupted()
+}

@@ -1,7 +1,8 @@
 //! Crash recovery with real processes killed by SIGKILL: pins and unfinished creations of
 //! the dead come back, getters of a dead creator fail fast with `CreatorDied`, a full
 //! store reclaims what the dead held, a new process takes over a dead client's slot, and
-//! a store can remove itself when its last client leaves.
+//! a store can remove itself when its last client leaves, and a recoverer killed midway is
+//! finished by the next one.
 
 mod common;
 
@@ -34,7 +35,11 @@ fn kill(mut p: Proc) {
 #[ignore = "child process entry point, started by the other tests"]
 fn child_entry() {
     let (role, args) = child_role().expect("child_entry runs only as a child process");
-    let store = Store::open_path(Path::new(&args[0])).unwrap();
+    let opts = shmstore::AttachOptions {
+        recover_on_attach: false,
+        ..Default::default()
+    };
+    let store = Store::open_with(Path::new(&args[0]), &opts).unwrap();
     let id = |s: &str| s.parse::<ObjectId>().unwrap();
     match role.as_str() {
         // Pin args[1] three times, start creating args[2] (never sealed), then wait to die.
@@ -54,6 +59,12 @@ fn child_entry() {
             say("creating");
             let _ = hear();
             drop(c);
+        }
+        // Start recovering the dead and stop halfway; wait to be killed.
+        "recover-and-stall" => {
+            let n = shmstore::testing::interrupted_recovery(&store);
+            say(format!("claimed {n}"));
+            let _ = hear();
         }
         // Attach and exit cleanly when told.
         "attach" => {
@@ -223,4 +234,35 @@ fn a_store_left_by_a_crashed_run_is_detected_and_reused() {
     let st = reopened.stats();
     assert_eq!(st.recovered_clients, 1, "{st:?}");
     assert_eq!(&*reopened.try_get(&id).unwrap(), b"kept");
+}
+
+#[test]
+fn a_recoverer_killed_midway_is_finished_by_the_next_one() {
+    let (store, _c) = new_store("recoverer-dies", StoreConfig::with_capacity(4 << 20));
+    let held = ObjectId::of_key("held");
+    store.put(&held, &vec![5u8; 100_000]).unwrap();
+    let pending = ObjectId::of_key("pending");
+    let mut a = child(
+        "hold-and-create",
+        &store,
+        &[held.to_string(), pending.to_string()],
+    );
+    assert_eq!(a.recv(), "holding");
+    kill(a);
+    store.delete(&held).unwrap(); // drains: the dead child's pins hold it
+    let mut b = child("recover-and-stall", &store, &[]);
+    assert_eq!(b.recv(), "claimed 1");
+    kill(b);
+    // The dead child A is RECOVERING by the dead recoverer B; both count as dead.
+    let st = store.stats();
+    assert_eq!((st.dead_clients, st.creating), (2, 1), "{st:?}");
+    let r = store.recover().unwrap();
+    assert_eq!((r.clients_recovered, r.creations_aborted), (2, 1), "{r:?}");
+    let st = store.stats();
+    assert_eq!(
+        (st.used, st.creating, st.draining, st.pins, st.dead_clients),
+        (0, 0, 0, 0, 0),
+        "{st:?}"
+    );
+    store.check_invariants().unwrap();
 }
