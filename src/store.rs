@@ -610,7 +610,7 @@ impl Inner {
     /// Checks an entry read from shared memory and turns it into a block and pointers.
     fn resolve(&self, e: &Entry) -> Result<Resolved> {
         let (block, meta_pad) = e.block(self.sb.heap_size)?;
-        // SAFETY: offset + size <= heap_size (checked by check_entry), so both pointers
+        // SAFETY: offset + size <= heap_size (checked by Entry::block), so both pointers
         // stay inside the heap.
         let (meta, data) = unsafe {
             let m = self.heap.add(e.offset as usize);
