@@ -56,7 +56,9 @@ pub(crate) struct Globals {
     pub sweeps_owed: AtomicU64,
     /// `client + 1` of the process running the leak sweep, 0 if none.
     pub sweeper: AtomicU64,
-    _pad: [u64; 2],
+    /// Blocks the leak sweep found belonging to no one and freed.
+    pub leaked_blocks_freed: AtomicU64,
+    _pad: [u64; 1],
     /// Bumped whenever a block is freed; creators waiting for space sleep on it.
     pub space: WaitBucket,
 }

@@ -139,6 +139,11 @@ pub enum Error {
         /// The per-process, per-object limit.
         limit: u32,
     },
+    /// A tensor item's header is malformed (see [`crate::item`]).
+    BadItem {
+        /// What is wrong.
+        reason: String,
+    },
     /// The process creating the object died (or detached) before sealing it; a get
     /// waiting for it gives up instead of waiting out its timeout.
     CreatorDied {
@@ -267,6 +272,10 @@ impl fmt::Display for Error {
                 f,
                 "this process already holds {limit} views of one object: drop views you no \
                  longer need (a clone of a view is another pin)"
+            ),
+            Error::BadItem { reason } => write!(
+                f,
+                "not a valid tensor item: {reason} (was it written by shmstore's put_item?)"
             ),
             Error::CreatorDied { id, pid } => write!(
                 f,

@@ -47,6 +47,7 @@ mod capacity;
 mod client;
 mod error;
 mod id;
+pub mod item;
 mod layout;
 #[cfg(all(test, loom))]
 mod loom_models;

@@ -253,7 +253,10 @@ impl World<'_> {
             report.sweep_pending = true;
             return false;
         }
+        let before = report.leaked_blocks_freed;
         let done = self.sweep_owned(report);
+        g.leaked_blocks_freed
+            .fetch_add(report.leaked_blocks_freed - before, Ordering::Relaxed);
         let _ = g
             .sweeper
             .compare_exchange(self.me + 1, 0, Ordering::AcqRel, Ordering::Relaxed);

@@ -210,6 +210,9 @@ pub struct Stats {
     /// A leak sweep is owed (a client died inside an allocator step) and waits for a
     /// moment when no live client is allocating.
     pub sweep_pending: bool,
+    /// Blocks the leak sweep found owned by no one (left by clients killed inside an
+    /// allocator step) and freed, since the store was created.
+    pub leaked_blocks_freed: u64,
     /// Objects evicted to make room since the store was created.
     pub evictions: u64,
     /// Object table slots.
@@ -1243,6 +1246,7 @@ impl Store {
         st.recovered_clients = g.recovered_clients.load(Ordering::Relaxed);
         st.reclaimed_bytes = g.reclaimed_bytes.load(Ordering::Relaxed);
         st.sweep_pending = g.sweeps_owed.load(Ordering::Relaxed) != 0;
+        st.leaked_blocks_freed = g.leaked_blocks_freed.load(Ordering::Relaxed);
         st
     }
 
