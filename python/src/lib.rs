@@ -1,0 +1,714 @@
+//! `shmstore._native`: the Python bindings of the Rust store (built by maturin, abi3 for
+//! CPython >= 3.11). The public Python API is in `python/shmstore/__init__.py`, which
+//! re-exports these classes and adds tensor items and the engine/worker caches.
+//!
+//! What this layer owns:
+//! * **Buffers.** A [`PyView`] exports its object's bytes read-only through the buffer
+//!   protocol; the memoryview `get` returns (and every numpy array or tensor made from it)
+//!   keeps the `PyView` alive, and the `PyView` keeps the object pinned. A [`PyCreation`]
+//!   exports its bytes writable and counts its exports: it refuses to seal or abort while
+//!   one is alive, so no Python object can write to an object after it is published.
+//! * **The GIL.** Blocking gets, waits for space and copies of 64 KiB or more run without
+//!   it; small calls keep it (releasing costs more than they take).
+//! * **Errors.** Every `shmstore::Error` becomes an exception class of its own, all derived
+//!   from `shmstore.ShmstoreError`, with the Rust message (which says what to do).
+
+use pyo3::exceptions::{PyBufferError, PyException, PyTypeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple};
+use shmstore::item::{self, ArraySpec, DType, MetaValue};
+use shmstore::{AttachOptions, Creation, ObjectId, Store, StoreConfig, View, WhenFull};
+use std::mem::MaybeUninit;
+use std::os::raw::{c_int, c_void};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+// A process-local count of Python buffer exports, never in shared memory: the crate's
+// rule (every shared atomic through `shmstore`'s loom shim) does not apply.
+#[allow(clippy::disallowed_types)]
+type ExportCount = std::sync::atomic::AtomicUsize;
+const RELAXED: std::sync::atomic::Ordering = std::sync::atomic::Ordering::Relaxed;
+
+pyo3::create_exception!(_native, ShmstoreError, PyException, "Base class of every shmstore error.");
+pyo3::create_exception!(_native, Full, ShmstoreError, "No block is free for the object (and nothing could be evicted).");
+pyo3::create_exception!(_native, TooLarge, ShmstoreError, "The object can never fit in this store.");
+pyo3::create_exception!(_native, Timeout, ShmstoreError, "The object was not sealed within the timeout.");
+pyo3::create_exception!(_native, AlreadyExists, ShmstoreError, "An object with this id exists (or is being created).");
+pyo3::create_exception!(_native, NotFound, ShmstoreError, "No object with this id.");
+pyo3::create_exception!(_native, NotSealed, ShmstoreError, "The object is still being created.");
+pyo3::create_exception!(_native, CreatorDied, ShmstoreError, "The process creating the object died before sealing it.");
+pyo3::create_exception!(_native, ReadOnly, ShmstoreError, "The store was attached read-only.");
+pyo3::create_exception!(_native, Corrupted, ShmstoreError, "Shared memory holds a value no correct writer produces.");
+pyo3::create_exception!(_native, StoreExists, ShmstoreError, "A store with this name exists.");
+pyo3::create_exception!(_native, StoreNotFound, ShmstoreError, "No store with this name.");
+pyo3::create_exception!(_native, InsufficientSpace, ShmstoreError, "The file system has too little space for the store.");
+pyo3::create_exception!(_native, TooManyClients, ShmstoreError, "Every client slot of the store is taken.");
+pyo3::create_exception!(_native, TooManyPins, ShmstoreError, "This process holds too many views of one object.");
+pyo3::create_exception!(_native, TableFull, ShmstoreError, "The object table has no free slot for this id.");
+pyo3::create_exception!(_native, InvalidConfig, ShmstoreError, "The store configuration is out of range.");
+pyo3::create_exception!(_native, BadItem, ShmstoreError, "The object is not a valid tensor item.");
+
+/// The Python exception for a store error, carrying its message.
+fn err(e: shmstore::Error) -> PyErr {
+    use shmstore::Error as E;
+    let msg = e.to_string();
+    match e {
+        E::Full { .. } => Full::new_err(msg),
+        E::TooLarge { .. } | E::MetadataTooLarge { .. } => TooLarge::new_err(msg),
+        E::Timeout { .. } => Timeout::new_err(msg),
+        E::AlreadyExists { .. } => AlreadyExists::new_err(msg),
+        E::NotFound { .. } => NotFound::new_err(msg),
+        E::NotSealed { .. } => NotSealed::new_err(msg),
+        E::CreatorDied { .. } => CreatorDied::new_err(msg),
+        E::ReadOnly { .. } => ReadOnly::new_err(msg),
+        E::Corrupted { .. } | E::NotAStore { .. } | E::Truncated { .. } | E::VersionMismatch { .. } => {
+            Corrupted::new_err(msg)
+        }
+        E::StoreExists { .. } => StoreExists::new_err(msg),
+        E::StoreNotFound { .. } => StoreNotFound::new_err(msg),
+        E::InsufficientSpace { .. } => InsufficientSpace::new_err(msg),
+        E::TooManyClients { .. } => TooManyClients::new_err(msg),
+        E::TooManyPins { .. } => TooManyPins::new_err(msg),
+        E::TableFull { .. } => TableFull::new_err(msg),
+        E::InvalidConfig { .. } => InvalidConfig::new_err(msg),
+        E::BadItem { .. } => BadItem::new_err(msg),
+        _ => ShmstoreError::new_err(msg),
+    }
+}
+
+/// An id from Python: a `str` key (hashed with blake3, e.g. vLLM's `mm_hash`), or 32 raw
+/// id bytes (from `content_id` / `key_id`).
+fn object_id(obj: &Bound<'_, PyAny>) -> PyResult<ObjectId> {
+    if let Ok(s) = obj.downcast::<PyString>() {
+        return Ok(ObjectId::of_key(s.to_str()?));
+    }
+    if let Ok(b) = obj.downcast::<PyBytes>() {
+        let raw: [u8; 32] = b.as_bytes().try_into().map_err(|_| {
+            PyValueError::new_err(
+                "an id given as bytes must be exactly 32 bytes (use a str key, or \
+                 shmstore.content_id(data))",
+            )
+        })?;
+        return Ok(ObjectId::from_bytes(raw));
+    }
+    Err(PyTypeError::new_err("an id is a str key or 32 id bytes"))
+}
+
+fn timeout_of(t: Option<f64>) -> PyResult<Duration> {
+    match t {
+        None => Ok(Duration::from_secs(u32::MAX as u64)),
+        Some(s) if s.is_finite() && s >= 0.0 => Ok(Duration::from_secs_f64(s)),
+        Some(s) => Err(PyValueError::new_err(format!("timeout {s} must be >= 0 seconds"))),
+    }
+}
+
+/// Copies at or above this size run without the GIL.
+const RELEASE_GIL_AT: usize = 64 << 10;
+
+/// The bytes of any C-contiguous buffer-protocol object, held (so the exporter cannot
+/// resize or free them) until dropped.
+struct RawBuf {
+    view: Box<ffi::Py_buffer>,
+}
+
+// SAFETY: the buffer's memory stays valid and unmoved while the export is held, whichever
+// thread reads it; the export is released in `Drop` with the GIL held.
+unsafe impl Send for RawBuf {}
+// SAFETY: as above; `as_slice` only reads.
+unsafe impl Sync for RawBuf {}
+
+impl RawBuf {
+    fn get(obj: &Bound<'_, PyAny>) -> PyResult<RawBuf> {
+        let mut view: Box<MaybeUninit<ffi::Py_buffer>> = Box::new(MaybeUninit::uninit());
+        // SAFETY: `obj` is a live object (we hold the GIL) and `view` points to writable
+        // memory for one Py_buffer. PyBUF_SIMPLE asks for contiguous bytes; exporters
+        // that cannot provide them fail with BufferError.
+        let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_SIMPLE) };
+        if rc != 0 {
+            return Err(PyErr::fetch(obj.py()));
+        }
+        // SAFETY: PyObject_GetBuffer returned 0, so it filled the whole struct.
+        let view = unsafe { Box::from_raw(Box::into_raw(view) as *mut ffi::Py_buffer) };
+        Ok(RawBuf { view })
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        let len = self.view.len.max(0) as usize;
+        if len == 0 || self.view.buf.is_null() {
+            return &[];
+        }
+        // SAFETY: the exporter guarantees `len` readable bytes at `buf` while the export
+        // is held (until our Drop).
+        unsafe { std::slice::from_raw_parts(self.view.buf as *const u8, len) }
+    }
+}
+
+impl Drop for RawBuf {
+    fn drop(&mut self) {
+        // SAFETY: the view was filled by a successful PyObject_GetBuffer and is released
+        // exactly once, with the GIL held.
+        Python::with_gil(|_| unsafe { ffi::PyBuffer_Release(&mut *self.view) });
+    }
+}
+
+/// A sealed object, pinned for as long as this object lives. Exports its bytes read-only
+/// through the buffer protocol; `Store.get` returns `memoryview(view)`, whose `.obj` is
+/// this object.
+#[pyclass(module = "shmstore._native", name = "View", frozen)]
+struct PyView {
+    view: View,
+}
+
+#[pymethods]
+impl PyView {
+    /// # Safety
+    /// Called by CPython with a valid `Py_buffer` to fill.
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
+            return Err(PyBufferError::new_err(
+                "objects are immutable once sealed: this buffer is read-only (copy it to modify)",
+            ));
+        }
+        let v = &slf.get().view;
+        // SAFETY: `view` is valid per the caller; the bytes stay valid while the exporter
+        // (this object, INCREF'd into view->obj by FillInfo) lives, because it pins them.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                v.as_ptr() as *mut c_void,
+                v.len() as ffi::Py_ssize_t,
+                1,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// Called by CPython; nothing to release (the pin goes with this object).
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+
+    /// The object's 32-byte id.
+    #[getter]
+    fn id<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, self.view.id().as_bytes())
+    }
+
+    /// The object's metadata blob.
+    #[getter]
+    fn meta<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, self.view.meta())
+    }
+
+    /// Address of the first byte in this process (for zero-copy checks).
+    #[getter]
+    fn address(&self) -> usize {
+        self.view.as_ptr() as usize
+    }
+
+    fn __len__(&self) -> usize {
+        self.view.len()
+    }
+}
+
+/// An object being written. Exports its bytes writable (`.buffer`, or `memoryview(c)`);
+/// `seal()` publishes it, `abort()` (or dropping it) frees it. As a context manager it
+/// seals on a normal exit and aborts on an exception.
+#[pyclass(module = "shmstore._native", name = "Creation")]
+struct PyCreation {
+    c: Option<Creation>,
+    id: ObjectId,
+    len: usize,
+    exports: ExportCount,
+}
+
+impl PyCreation {
+    fn finish(&mut self, seal: bool) -> PyResult<()> {
+        let n = self.exports.load(RELAXED);
+        if n > 0 {
+            return Err(PyBufferError::new_err(format!(
+                "{n} buffer(s) exported from this creation are still alive: delete the arrays \
+                 and memoryviews made from it (or call .release() on the memoryviews) before \
+                 seal() or abort(), so that nothing can write to the object once it is published"
+            )));
+        }
+        match self.c.take() {
+            Some(c) if seal => c.seal().map_err(err),
+            Some(c) => {
+                c.abort();
+                Ok(())
+            }
+            None => Err(PyValueError::new_err("this creation was already sealed or aborted")),
+        }
+    }
+}
+
+#[pymethods]
+impl PyCreation {
+    /// # Safety
+    /// Called by CPython with a valid `Py_buffer` to fill.
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, _flags: c_int) -> PyResult<()> {
+        let ptr = {
+            let mut this = slf.borrow_mut();
+            match this.c.as_mut() {
+                Some(c) => c.as_mut_ptr(),
+                None => {
+                    return Err(PyBufferError::new_err(
+                        "this creation was sealed or aborted; its memory is no longer writable",
+                    ))
+                }
+            }
+        };
+        let len = slf.borrow().len;
+        // SAFETY: `view` is valid per the caller; the block is ours alone until sealed,
+        // and seal/abort refuse while an export is alive, so the bytes outlive it.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr as *mut c_void, len as ffi::Py_ssize_t, 0, ffi::PyBUF_WRITABLE)
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        slf.borrow().exports.fetch_add(1, RELAXED);
+        Ok(())
+    }
+
+    /// # Safety
+    /// Called by CPython once per successful `__getbuffer__`.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+        self.exports.fetch_sub(1, RELAXED);
+    }
+
+    /// A writable memoryview of the object's bytes.
+    #[getter]
+    fn buffer<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyMemoryView>> {
+        PyMemoryView::from(slf.as_any())
+    }
+
+    /// The object's 32-byte id.
+    #[getter]
+    fn id<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, self.id.as_bytes())
+    }
+
+    /// Publishes the object (getters blocked on it wake up).
+    fn seal(&mut self) -> PyResult<()> {
+        self.finish(true)
+    }
+
+    /// Abandons the object and frees its memory.
+    fn abort(&mut self) -> PyResult<()> {
+        self.finish(false)
+    }
+
+    /// Never evict this object (stores created with `evict=True`). Call before sealing.
+    fn set_evictable(&mut self, evictable: bool) -> PyResult<()> {
+        match self.c.as_mut() {
+            Some(c) => c.set_evictable(evictable).map_err(err),
+            None => Err(PyValueError::new_err("this creation was already sealed or aborted")),
+        }
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (exc_type, _exc=None, _tb=None))]
+    fn __exit__(
+        &mut self,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        if self.c.is_none() {
+            return Ok(false);
+        }
+        if exc_type.is_some_and(|t| !t.is_none()) {
+            // Abort even if buffers are still alive: they would keep the exception from
+            // being seen. The block stays allocated until the last of them is released.
+            if self.exports.load(RELAXED) == 0 {
+                let _ = self.finish(false);
+            }
+            return Ok(false);
+        }
+        self.finish(true)?;
+        Ok(false)
+    }
+}
+
+/// A handle to an attached store.
+#[pyclass(module = "shmstore._native", name = "Store", frozen)]
+struct PyStore {
+    s: Store,
+}
+
+fn dir_and_name(name: &str) -> (PathBuf, String) {
+    let p = PathBuf::from(name);
+    match (p.parent(), p.file_name()) {
+        (Some(d), Some(f)) if name.contains('/') => (d.to_path_buf(), f.to_string_lossy().into_owned()),
+        _ => (PathBuf::from("/dev/shm"), name.to_string()),
+    }
+}
+
+fn meta_value(v: &Bound<'_, PyAny>) -> PyResult<MetaValue> {
+    if v.is_instance_of::<PyBool>() {
+        return Ok(MetaValue::Bool(v.extract()?));
+    }
+    if v.is_instance_of::<PyInt>() {
+        return Ok(MetaValue::Int(v.extract()?));
+    }
+    if v.is_instance_of::<PyFloat>() {
+        return Ok(MetaValue::Float(v.extract()?));
+    }
+    if let Ok(s) = v.downcast::<PyString>() {
+        return Ok(MetaValue::Str(s.to_str()?.to_owned()));
+    }
+    if let Ok(b) = v.downcast::<PyBytes>() {
+        return Ok(MetaValue::Bytes(b.as_bytes().to_vec()));
+    }
+    Err(PyTypeError::new_err(format!(
+        "item metadata values are int, float, bool, str or bytes, not {}",
+        v.get_type().name()?
+    )))
+}
+
+fn meta_object(py: Python<'_>, v: &MetaValue) -> PyResult<PyObject> {
+    Ok(match v {
+        MetaValue::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
+        MetaValue::Float(f) => f.into_pyobject(py)?.into_any().unbind(),
+        MetaValue::Bool(b) => PyBool::new(py, *b).to_owned().into_any().unbind(),
+        MetaValue::Str(s) => PyString::new(py, s).into_any().unbind(),
+        MetaValue::Bytes(b) => PyBytes::new(py, b).into_any().unbind(),
+    })
+}
+
+#[pymethods]
+impl PyStore {
+    /// Creates a named store (`/dev/shm/NAME`, or a path) of `capacity` payload bytes.
+    #[staticmethod]
+    #[pyo3(signature = (name, capacity, *, max_objects=65536, max_clients=32, evict=false,
+                        remove_when_unused=false, prefault=true))]
+    fn create(
+        name: &str,
+        capacity: u64,
+        max_objects: u64,
+        max_clients: u32,
+        evict: bool,
+        remove_when_unused: bool,
+        prefault: bool,
+    ) -> PyResult<Self> {
+        let (dir, file) = dir_and_name(name);
+        let cfg = StoreConfig {
+            max_objects,
+            max_clients,
+            when_full: if evict { WhenFull::Evict } else { WhenFull::Fail },
+            remove_when_unused,
+            prefault,
+            dir,
+            ..StoreConfig::with_capacity(capacity)
+        };
+        Ok(PyStore {
+            s: Store::create(&file, &cfg).map_err(err)?,
+        })
+    }
+
+    /// Opens an existing store by name (in /dev/shm) or path.
+    #[staticmethod]
+    #[pyo3(signature = (name, *, read_only=false, prefault=true))]
+    fn open(name: &str, read_only: bool, prefault: bool) -> PyResult<Self> {
+        let (dir, file) = dir_and_name(name);
+        let opts = AttachOptions {
+            read_only,
+            prefault,
+            ..Default::default()
+        };
+        Ok(PyStore {
+            s: Store::open_with(dir.join(file), &opts).map_err(err)?,
+        })
+    }
+
+    /// Copies any C-contiguous buffer (bytes, numpy array, memoryview...) into a new
+    /// sealed object: exactly one copy, without the GIL for large buffers.
+    #[pyo3(signature = (id, data, meta=None))]
+    fn put(&self, py: Python<'_>, id: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>, meta: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let id = object_id(id)?;
+        let buf = RawBuf::get(data)?;
+        let meta = meta.map(RawBuf::get).transpose()?;
+        let m = meta.as_ref().map_or(&[][..], |m| m.as_slice());
+        let r = if buf.as_slice().len() >= RELEASE_GIL_AT {
+            py.allow_threads(|| self.s.put_with_meta(&id, buf.as_slice(), m))
+        } else {
+            self.s.put_with_meta(&id, buf.as_slice(), m)
+        };
+        r.map_err(err)
+    }
+
+    /// Starts an object of `n` bytes; write through `.buffer`, then `seal()`. With
+    /// `timeout` (seconds), waits for space instead of failing when the store is full.
+    #[pyo3(signature = (id, n, meta=None, timeout=None))]
+    fn create_object(&self, py: Python<'_>, id: &Bound<'_, PyAny>, n: u64, meta: Option<&Bound<'_, PyAny>>, timeout: Option<f64>) -> PyResult<PyCreation> {
+        let id = object_id(id)?;
+        let meta = meta.map(RawBuf::get).transpose()?;
+        let m = meta.as_ref().map_or(&[][..], |m| m.as_slice());
+        let c = match timeout {
+            None => self.s.create_object_with_meta(&id, n, m),
+            Some(t) => {
+                let t = timeout_of(Some(t))?;
+                if m.is_empty() {
+                    py.allow_threads(|| self.s.create_object_wait(&id, n, t))
+                } else {
+                    return Err(PyValueError::new_err("meta with a timeout is not supported; put meta in the object"));
+                }
+            }
+        }
+        .map_err(err)?;
+        Ok(PyCreation {
+            len: c.len(),
+            c: Some(c),
+            id,
+            exports: ExportCount::new(0),
+        })
+    }
+
+    /// A read-only memoryview of a sealed object, waiting up to `timeout` seconds (None:
+    /// forever) for it to be sealed. The object stays pinned while the memoryview, or any
+    /// array made from it, is alive; `memoryview.obj` is the `View` (id, meta).
+    #[pyo3(signature = (id, timeout=None))]
+    fn get<'py>(&self, py: Python<'py>, id: &Bound<'py, PyAny>, timeout: Option<f64>) -> PyResult<Bound<'py, PyMemoryView>> {
+        let id = object_id(id)?;
+        let v = match self.s.try_get(&id) {
+            Ok(v) => v,
+            Err(shmstore::Error::NotFound { .. }) => {
+                let t = timeout_of(timeout)?;
+                py.allow_threads(|| self.s.get(&id, t)).map_err(err)?
+            }
+            Err(e) => return Err(err(e)),
+        };
+        let obj = Bound::new(py, PyView { view: v })?;
+        PyMemoryView::from(obj.as_any())
+    }
+
+    /// Like `get`, but never waits: None if the object is absent or not sealed yet.
+    fn try_get<'py>(&self, py: Python<'py>, id: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyMemoryView>>> {
+        let id = object_id(id)?;
+        match self.s.try_get(&id) {
+            Ok(v) => Ok(Some(PyMemoryView::from(Bound::new(py, PyView { view: v })?.as_any())?)),
+            Err(shmstore::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(err(e)),
+        }
+    }
+
+    /// Is the object present and sealed?
+    fn contains(&self, id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.s.contains(&object_id(id)?))
+    }
+
+    /// Deletes a sealed object (its memory is freed when the last view drops).
+    fn delete(&self, id: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.s.delete(&object_id(id)?).map_err(err)
+    }
+
+    /// Occupancy figures as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let st = self.s.stats();
+        let d = PyDict::new(py);
+        d.set_item("capacity", st.capacity)?;
+        d.set_item("used", st.used)?;
+        d.set_item("free", st.free)?;
+        d.set_item("largest_free", st.largest_free)?;
+        d.set_item("objects", st.objects)?;
+        d.set_item("creating", st.creating)?;
+        d.set_item("pinned", st.pinned)?;
+        d.set_item("pins", st.pins)?;
+        d.set_item("draining", st.draining)?;
+        d.set_item("clients", st.clients)?;
+        d.set_item("dead_clients", st.dead_clients)?;
+        d.set_item("recovered_clients", st.recovered_clients)?;
+        d.set_item("reclaimed_bytes", st.reclaimed_bytes)?;
+        d.set_item("evictions", st.evictions)?;
+        d.set_item("table_slots", st.table_slots)?;
+        Ok(d)
+    }
+
+    /// Reclaims what dead processes left now; returns what it did.
+    fn recover<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = py.allow_threads(|| self.s.recover()).map_err(err)?;
+        let d = PyDict::new(py);
+        d.set_item("clients_recovered", r.clients_recovered)?;
+        d.set_item("pins_released", r.pins_released)?;
+        d.set_item("creations_aborted", r.creations_aborted)?;
+        d.set_item("bytes_reclaimed", r.bytes_reclaimed)?;
+        d.set_item("sweep_pending", r.sweep_pending)?;
+        Ok(d)
+    }
+
+    /// The store's file, or None for an anonymous store.
+    #[getter]
+    fn path(&self) -> Option<String> {
+        self.s.path().map(|p| p.display().to_string())
+    }
+
+    /// The largest object this store can ever hold.
+    #[getter]
+    fn max_object_size(&self) -> u64 {
+        self.s.max_object_size()
+    }
+
+    /// Removes the store's name (attached processes keep working).
+    fn unlink(&self) -> PyResult<()> {
+        self.s.unlink().map_err(err)
+    }
+
+    /// Times the same small calls from Rust, without Python, for the overhead benchmark:
+    /// ns per put of `size` bytes (fresh ids), per get + drop, per contains.
+    #[pyo3(signature = (n, size=64))]
+    fn bench_native<'py>(&self, py: Python<'py>, n: u32, size: usize) -> PyResult<Bound<'py, PyDict>> {
+        let data = vec![7u8; size];
+        let ids: Vec<ObjectId> = (0..n).map(|i| ObjectId::of_key(format!("bench-native-{i}"))).collect();
+        let per = |t: Instant| t.elapsed().as_nanos() as f64 / n as f64;
+        let t = Instant::now();
+        for id in &ids {
+            self.s.put(id, &data).map_err(err)?;
+        }
+        let put = per(t);
+        let t = Instant::now();
+        for id in &ids {
+            drop(self.s.try_get(id).map_err(err)?);
+        }
+        let get = per(t);
+        let t = Instant::now();
+        for id in &ids {
+            std::hint::black_box(self.s.contains(id));
+        }
+        let contains = per(t);
+        for id in &ids {
+            self.s.delete(id).map_err(err)?;
+        }
+        let d = PyDict::new(py);
+        d.set_item("put_ns", put)?;
+        d.set_item("get_ns", get)?;
+        d.set_item("contains_ns", contains)?;
+        Ok(d)
+    }
+}
+
+fn dtype(name: &str) -> PyResult<DType> {
+    DType::from_name(name).ok_or_else(|| {
+        PyTypeError::new_err(format!(
+            "dtype {name} is not supported in items (float32, float16, bfloat16, float64, \
+             int64, int32, int16, int8, uint8, bool)"
+        ))
+    })
+}
+
+/// Lays out a tensor item: `arrays` is a list of (name, dtype name, shape); returns
+/// (header bytes, [(offset, nbytes)], total length).
+#[pyfunction]
+fn plan_item<'py>(py: Python<'py>, arrays: &Bound<'py, PyList>, meta: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyTuple>> {
+    let mut specs = Vec::with_capacity(arrays.len());
+    for a in arrays.iter() {
+        let (name, dt, shape): (String, String, Vec<u64>) = a.extract()?;
+        specs.push(ArraySpec {
+            name,
+            dtype: dtype(&dt)?,
+            shape,
+        });
+    }
+    let mut m = Vec::with_capacity(meta.len());
+    for (k, v) in meta.iter() {
+        let k: String = k.extract().map_err(|_| PyTypeError::new_err("item metadata keys are str"))?;
+        m.push((k, meta_value(&v)?));
+    }
+    let plan = item::plan(&specs, &m).map_err(err)?;
+    let placements = PyList::empty(py);
+    for (off, n) in &plan.placements {
+        placements.append((off, n))?;
+    }
+    PyTuple::new(
+        py,
+        [
+            PyBytes::new(py, &plan.header).into_any(),
+            placements.into_any(),
+            plan.total_len.into_pyobject(py)?.into_any(),
+        ],
+    )
+}
+
+/// Decodes a tensor item's header from any buffer (treated as hostile): returns
+/// ([(name, dtype name, shape, offset, nbytes)], meta dict).
+#[pyfunction]
+fn decode_item<'py>(py: Python<'py>, data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTuple>> {
+    let buf = RawBuf::get(data)?;
+    let d = item::decode(buf.as_slice()).map_err(err)?;
+    let arrays = PyList::empty(py);
+    for a in &d.arrays {
+        let shape = PyTuple::new(py, &a.spec.shape)?;
+        arrays.append((a.spec.name.as_str(), a.spec.dtype.name(), shape, a.offset, a.nbytes))?;
+    }
+    let meta = PyDict::new(py);
+    for (k, v) in &d.meta {
+        meta.set_item(k, meta_object(py, v)?)?;
+    }
+    PyTuple::new(py, [arrays.into_any(), meta.into_any()])
+}
+
+/// The 32-byte id of some content (blake3), from any buffer.
+#[pyfunction]
+fn content_id<'py>(py: Python<'py>, data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    let buf = RawBuf::get(data)?;
+    let id = if buf.as_slice().len() >= RELEASE_GIL_AT {
+        py.allow_threads(|| ObjectId::of_content(buf.as_slice()))
+    } else {
+        ObjectId::of_content(buf.as_slice())
+    };
+    Ok(PyBytes::new(py, id.as_bytes()))
+}
+
+/// The 32-byte id a str key maps to (what every method does with a str id).
+#[pyfunction]
+fn key_id<'py>(py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, ObjectId::of_key(key).as_bytes())
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<PyStore>()?;
+    m.add_class::<PyView>()?;
+    m.add_class::<PyCreation>()?;
+    m.add_function(wrap_pyfunction!(plan_item, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_item, m)?)?;
+    m.add_function(wrap_pyfunction!(content_id, m)?)?;
+    m.add_function(wrap_pyfunction!(key_id, m)?)?;
+    for (name, ty) in [
+        ("ShmstoreError", py.get_type::<ShmstoreError>()),
+        ("Full", py.get_type::<Full>()),
+        ("TooLarge", py.get_type::<TooLarge>()),
+        ("Timeout", py.get_type::<Timeout>()),
+        ("AlreadyExists", py.get_type::<AlreadyExists>()),
+        ("NotFound", py.get_type::<NotFound>()),
+        ("NotSealed", py.get_type::<NotSealed>()),
+        ("CreatorDied", py.get_type::<CreatorDied>()),
+        ("ReadOnly", py.get_type::<ReadOnly>()),
+        ("Corrupted", py.get_type::<Corrupted>()),
+        ("StoreExists", py.get_type::<StoreExists>()),
+        ("StoreNotFound", py.get_type::<StoreNotFound>()),
+        ("InsufficientSpace", py.get_type::<InsufficientSpace>()),
+        ("TooManyClients", py.get_type::<TooManyClients>()),
+        ("TooManyPins", py.get_type::<TooManyPins>()),
+        ("TableFull", py.get_type::<TableFull>()),
+        ("InvalidConfig", py.get_type::<InvalidConfig>()),
+        ("BadItem", py.get_type::<BadItem>()),
+    ] {
+        m.add(name, ty)?;
+    }
+    Ok(())
+}

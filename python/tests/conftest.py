@@ -1,0 +1,46 @@
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+import shmstore
+
+
+@pytest.fixture
+def store_name():
+    name = f"shmstore-py-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield name
+    try:
+        os.unlink(f"/dev/shm/{name}")
+    except FileNotFoundError:
+        pass
+
+
+@pytest.fixture
+def store(store_name):
+    s = shmstore.Store.create(store_name, 32 << 20, max_objects=1024)
+    yield s
+
+
+def run_python(code: str, *args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter (another process attached to the store)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=60,
+        **kw,
+    )
+
+
+def spawn_python(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )

@@ -1,0 +1,208 @@
+"""The raw store from Python: buffers, pins, zero-copy, errors, the GIL, processes."""
+
+import gc
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import shmstore
+from conftest import run_python, spawn_python
+
+
+def test_put_get_round_trip_with_keys_and_ids(store):
+    store.put("key", b"hello")
+    assert bytes(store.get("key", 1.0)) == b"hello"
+    data = np.arange(1000, dtype=np.float32)
+    cid = shmstore.content_id(data)
+    assert len(cid) == 32
+    store.put(cid, data)
+    got = np.frombuffer(store.get(cid, 1.0), dtype=np.float32)
+    assert np.array_equal(got, data)
+    assert store.contains(cid) and store.contains("key")
+    assert shmstore.key_id("key") != shmstore.key_id("other")
+    assert store.get(shmstore.key_id("key"), 0).obj.id == shmstore.key_id("key")
+
+
+def test_get_returns_a_read_only_view_that_pins(store):
+    store.put("a", b"x" * 100)
+    mv = store.get("a", 1.0)
+    assert mv.readonly
+    with pytest.raises(TypeError):
+        mv[0] = 1
+    assert store.stats()["pins"] == 1
+    del mv
+    gc.collect()
+    assert store.stats()["pins"] == 0
+
+
+def test_numpy_arrays_share_memory_and_keep_the_pin(store):
+    data = np.arange(1 << 16, dtype=np.int64)
+    store.put("arr", data)
+    mv = store.get("arr", 1.0)
+    view_obj = mv.obj
+    arr = np.frombuffer(mv, dtype=np.int64)
+    # Zero-copy: the array's data is the object's bytes in shared memory.
+    assert arr.ctypes.data == view_obj.address
+    assert store.get("arr", 0).obj.address == view_obj.address
+    assert not arr.flags.writeable
+    # Deleting the object hides it, but the array keeps it pinned and intact.
+    del mv, view_obj
+    gc.collect()
+    store.delete("arr")
+    assert not store.contains("arr")
+    st = store.stats()
+    assert (st["draining"], st["pins"]) == (1, 1)
+    assert np.array_equal(arr, data)
+    used = st["used"]
+    del arr
+    gc.collect()
+    st = store.stats()
+    assert (st["draining"], st["pins"]) == (0, 0)
+    assert st["used"] < used
+
+
+def test_create_seals_on_exit_and_aborts_on_exception(store):
+    with store.create_object("c", 4) as c:
+        c.buffer[:] = b"abcd"
+    assert bytes(store.get("c", 0)) == b"abcd"
+    used = store.stats()["used"]
+    with pytest.raises(RuntimeError):
+        with store.create_object("d", 1 << 20) as c:
+            mv = c.buffer
+            mv[:3] = b"xyz"
+            mv.release()
+            raise RuntimeError("producer failed")
+    assert not store.contains("d")
+    assert store.stats()["used"] == used, "the aborted object's memory is back"
+    # The id is free again.
+    store.put("d", b"ok")
+
+
+def test_seal_refuses_while_a_writable_buffer_is_alive(store):
+    c = store.create_object("w", 16)
+    arr = np.frombuffer(c.buffer, dtype=np.uint8)
+    arr[:] = 7
+    with pytest.raises(BufferError, match="still alive"):
+        c.seal()
+    del arr
+    gc.collect()
+    c.seal()
+    assert bytes(store.get("w", 0)) == b"\x07" * 16
+    with pytest.raises(BufferError):
+        c.buffer  # sealed: no longer writable
+
+
+def test_errors_are_typed_with_actionable_messages(store, store_name):
+    store.put("dup", b"1")
+    with pytest.raises(shmstore.AlreadyExists):
+        store.put("dup", b"2")
+    with pytest.raises(shmstore.NotFound):
+        store.delete("nope")
+    with pytest.raises(shmstore.Timeout, match="not sealed within"):
+        store.get("nope", 0.01)
+    with pytest.raises(shmstore.TooLarge, match="never fit"):
+        store.create_object("huge", 1 << 40)
+    with pytest.raises(shmstore.StoreNotFound):
+        shmstore.Store.open(store_name + "-missing")
+    with pytest.raises(shmstore.StoreExists):
+        shmstore.Store.create(store_name, 1 << 20)
+    with pytest.raises(ValueError, match="32 bytes"):
+        store.get(b"short", 0)
+    assert issubclass(shmstore.Full, shmstore.ShmstoreError)
+    assert store.try_get("nope") is None
+
+
+def test_full_store_raises_full_then_waits_for_space(store_name):
+    s = shmstore.Store.create(store_name + "-full", 1 << 20)
+    try:
+        s.put("big", bytes(1 << 20))
+        with pytest.raises(shmstore.Full, match="free"):
+            s.put("more", bytes(1000))
+        # create with a timeout waits for space; another thread frees it.
+        t = threading.Timer(0.05, lambda: s.delete("big"))
+        t.start()
+        with s.create_object("more", 1000, timeout=5.0) as c:
+            c.buffer[:4] = b"done"
+        t.join()
+    finally:
+        s.unlink()
+
+
+def test_a_blocking_get_releases_the_gil(store):
+    started = threading.Event()
+    result = {}
+
+    def getter():
+        started.set()
+        try:
+            store.get("late", 1.0)
+        except shmstore.Timeout:
+            result["timeout"] = True
+
+    t = threading.Thread(target=getter)
+    t.start()
+    started.wait()
+    # If the get held the GIL while blocked, this loop would stall for its whole second.
+    t0 = time.monotonic()
+    for _ in range(20):
+        time.sleep(0.005)
+    assert time.monotonic() - t0 < 0.5
+    t.join()
+    assert result == {"timeout": True}
+
+
+def test_another_process_reads_the_same_bytes(store, store_name):
+    data = np.random.default_rng(1).integers(0, 255, 1 << 20, dtype=np.uint8)
+    store.put("shared", data)
+    out = run_python(
+        """
+        import sys, shmstore
+        s = shmstore.Store.open(sys.argv[1])
+        print(shmstore.content_id(s.get("shared", 5.0)).hex())
+        """,
+        store_name,
+    )
+    assert out.stdout.strip() == shmstore.content_id(data).hex()
+
+
+def test_a_get_waiting_on_a_killed_creator_raises_creator_died(store, store_name):
+    p = spawn_python(
+        """
+        import sys, shmstore
+        s = shmstore.Store.open(sys.argv[1])
+        c = s.create_object("never", 100)
+        print("creating", flush=True)
+        sys.stdin.readline()
+        """,
+        store_name,
+    )
+    assert p.stdout.readline().strip() == "creating"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    t0 = time.monotonic()
+    with pytest.raises(shmstore.CreatorDied, match="died"):
+        store.get("never", 30.0)
+    assert time.monotonic() - t0 < 5.0
+    assert store.stats()["creating"] == 0
+
+
+def test_read_only_attach_faults_on_write(store, store_name):
+    store.put("ro", b"\x01" * 4096)
+    out = run_python(
+        """
+        import ctypes, sys, shmstore
+        s = shmstore.Store.open(sys.argv[1], read_only=True)
+        v = s.get("ro", 5.0)
+        print("attached", flush=True)
+        ctypes.memset(v.obj.address, 0, 1)   # the kernel must stop this
+        print("wrote")
+        """,
+        store_name,
+        check=False,
+    )
+    assert "attached" in out.stdout and "wrote" not in out.stdout
+    assert out.returncode == -signal.SIGSEGV
+    assert bytes(store.get("ro", 0))[:1] == b"\x01"
