@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run one cargo-fuzz target: scripts/fuzz.sh TARGET SECONDS
-# Targets: ops, hostile_open, hostile_region, decoders. Installs nightly and cargo-fuzz
+# Targets: ops, hostile_open, hostile_region, decoders, item_header. Installs nightly and cargo-fuzz
 # if missing. Crashes land in fuzz/artifacts/TARGET/; the corpus grows in fuzz/corpus/TARGET/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

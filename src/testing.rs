@@ -468,6 +468,7 @@ pub fn decode_everything(bytes: &[u8]) {
         let _ = s.parse::<ObjectId>();
     }
     crate::store::resolve_untrusted(word(3), word(4), word(5));
+    let _ = crate::item::decode(bytes);
 }
 
 /// Starts recovering every dead client and stops halfway, as a recoverer killed midway
@@ -476,4 +477,53 @@ pub fn decode_everything(bytes: &[u8]) {
 /// of clients it claimed.
 pub fn interrupted_recovery(store: &Store) -> u64 {
     store.recover_interrupted()
+}
+
+/// Fuzz hook for tensor item headers (`crate::item::decode`): decodes `data` as an object,
+/// then a valid item whose header the fuzzer patches (pairs of position and byte), so that
+/// mutations also start past the magic and length checks. Every decode that succeeds must
+/// describe arrays inside the object with consistent sizes.
+pub fn fuzz_item_header(data: &[u8]) {
+    use crate::item::{self, ArraySpec, DType, MetaValue};
+    fn check(object: &[u8]) {
+        if let Ok(d) = item::decode(object) {
+            for a in d.arrays {
+                assert!(a.offset % item::ALIGN == 0);
+                assert!(a.offset + a.nbytes <= object.len() as u64);
+                assert_eq!(a.spec.nbytes(), Some(a.nbytes));
+            }
+        }
+    }
+    check(data);
+    let specs = [
+        ArraySpec {
+            name: "pixel_values".into(),
+            dtype: DType::Float32,
+            shape: vec![3, 4, 4],
+        },
+        ArraySpec {
+            name: "grid".into(),
+            dtype: DType::Int64,
+            shape: vec![3],
+        },
+        ArraySpec {
+            name: "video".into(),
+            dtype: DType::BFloat16,
+            shape: vec![2, 0, 5],
+        },
+    ];
+    let meta = [
+        ("fps".to_string(), MetaValue::Float(29.97)),
+        ("tag".to_string(), MetaValue::Str("clip".into())),
+    ];
+    let plan = item::plan(&specs, &meta).expect("valid plan");
+    let mut object = vec![0u8; plan.total_len as usize];
+    object[..plan.header.len()].copy_from_slice(&plan.header);
+    for pair in data.chunks_exact(2) {
+        let at = pair[0] as usize % plan.header.len();
+        object[at] = pair[1];
+    }
+    check(&object);
+    let cut = data.first().map_or(0, |&b| b as usize) % (object.len() + 1);
+    check(&object[..cut]);
 }

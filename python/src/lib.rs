@@ -16,7 +16,9 @@
 use pyo3::exceptions::{PyBufferError, PyException, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple};
+use pyo3::types::{
+    PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple,
+};
 use shmstore::item::{self, ArraySpec, DType, MetaValue};
 use shmstore::{AttachOptions, Creation, ObjectId, Store, StoreConfig, View, WhenFull};
 use std::mem::MaybeUninit;
@@ -30,24 +32,109 @@ use std::time::{Duration, Instant};
 type ExportCount = std::sync::atomic::AtomicUsize;
 const RELAXED: std::sync::atomic::Ordering = std::sync::atomic::Ordering::Relaxed;
 
-pyo3::create_exception!(_native, ShmstoreError, PyException, "Base class of every shmstore error.");
-pyo3::create_exception!(_native, Full, ShmstoreError, "No block is free for the object (and nothing could be evicted).");
-pyo3::create_exception!(_native, TooLarge, ShmstoreError, "The object can never fit in this store.");
-pyo3::create_exception!(_native, Timeout, ShmstoreError, "The object was not sealed within the timeout.");
-pyo3::create_exception!(_native, AlreadyExists, ShmstoreError, "An object with this id exists (or is being created).");
+pyo3::create_exception!(
+    _native,
+    ShmstoreError,
+    PyException,
+    "Base class of every shmstore error."
+);
+pyo3::create_exception!(
+    _native,
+    Full,
+    ShmstoreError,
+    "No block is free for the object (and nothing could be evicted)."
+);
+pyo3::create_exception!(
+    _native,
+    TooLarge,
+    ShmstoreError,
+    "The object can never fit in this store."
+);
+pyo3::create_exception!(
+    _native,
+    Timeout,
+    ShmstoreError,
+    "The object was not sealed within the timeout."
+);
+pyo3::create_exception!(
+    _native,
+    AlreadyExists,
+    ShmstoreError,
+    "An object with this id exists (or is being created)."
+);
 pyo3::create_exception!(_native, NotFound, ShmstoreError, "No object with this id.");
-pyo3::create_exception!(_native, NotSealed, ShmstoreError, "The object is still being created.");
-pyo3::create_exception!(_native, CreatorDied, ShmstoreError, "The process creating the object died before sealing it.");
-pyo3::create_exception!(_native, ReadOnly, ShmstoreError, "The store was attached read-only.");
-pyo3::create_exception!(_native, Corrupted, ShmstoreError, "Shared memory holds a value no correct writer produces.");
-pyo3::create_exception!(_native, StoreExists, ShmstoreError, "A store with this name exists.");
-pyo3::create_exception!(_native, StoreNotFound, ShmstoreError, "No store with this name.");
-pyo3::create_exception!(_native, InsufficientSpace, ShmstoreError, "The file system has too little space for the store.");
-pyo3::create_exception!(_native, TooManyClients, ShmstoreError, "Every client slot of the store is taken.");
-pyo3::create_exception!(_native, TooManyPins, ShmstoreError, "This process holds too many views of one object.");
-pyo3::create_exception!(_native, TableFull, ShmstoreError, "The object table has no free slot for this id.");
-pyo3::create_exception!(_native, InvalidConfig, ShmstoreError, "The store configuration is out of range.");
-pyo3::create_exception!(_native, BadItem, ShmstoreError, "The object is not a valid tensor item.");
+pyo3::create_exception!(
+    _native,
+    NotSealed,
+    ShmstoreError,
+    "The object is still being created."
+);
+pyo3::create_exception!(
+    _native,
+    CreatorDied,
+    ShmstoreError,
+    "The process creating the object died before sealing it."
+);
+pyo3::create_exception!(
+    _native,
+    ReadOnly,
+    ShmstoreError,
+    "The store was attached read-only."
+);
+pyo3::create_exception!(
+    _native,
+    Corrupted,
+    ShmstoreError,
+    "Shared memory holds a value no correct writer produces."
+);
+pyo3::create_exception!(
+    _native,
+    StoreExists,
+    ShmstoreError,
+    "A store with this name exists."
+);
+pyo3::create_exception!(
+    _native,
+    StoreNotFound,
+    ShmstoreError,
+    "No store with this name."
+);
+pyo3::create_exception!(
+    _native,
+    InsufficientSpace,
+    ShmstoreError,
+    "The file system has too little space for the store."
+);
+pyo3::create_exception!(
+    _native,
+    TooManyClients,
+    ShmstoreError,
+    "Every client slot of the store is taken."
+);
+pyo3::create_exception!(
+    _native,
+    TooManyPins,
+    ShmstoreError,
+    "This process holds too many views of one object."
+);
+pyo3::create_exception!(
+    _native,
+    TableFull,
+    ShmstoreError,
+    "The object table has no free slot for this id."
+);
+pyo3::create_exception!(
+    _native,
+    InvalidConfig,
+    ShmstoreError,
+    "The store configuration is out of range."
+);
+pyo3::create_exception!(
+    _native,
+    BadItem,
+    ShmstoreError,
+    "The object is not a valid tensor item."
+);
 
 /// The Python exception for a store error, carrying its message.
 fn err(e: shmstore::Error) -> PyErr {
@@ -62,9 +149,10 @@ fn err(e: shmstore::Error) -> PyErr {
         E::NotSealed { .. } => NotSealed::new_err(msg),
         E::CreatorDied { .. } => CreatorDied::new_err(msg),
         E::ReadOnly { .. } => ReadOnly::new_err(msg),
-        E::Corrupted { .. } | E::NotAStore { .. } | E::Truncated { .. } | E::VersionMismatch { .. } => {
-            Corrupted::new_err(msg)
-        }
+        E::Corrupted { .. }
+        | E::NotAStore { .. }
+        | E::Truncated { .. }
+        | E::VersionMismatch { .. } => Corrupted::new_err(msg),
         E::StoreExists { .. } => StoreExists::new_err(msg),
         E::StoreNotFound { .. } => StoreNotFound::new_err(msg),
         E::InsufficientSpace { .. } => InsufficientSpace::new_err(msg),
@@ -99,7 +187,9 @@ fn timeout_of(t: Option<f64>) -> PyResult<Duration> {
     match t {
         None => Ok(Duration::from_secs(u32::MAX as u64)),
         Some(s) if s.is_finite() && s >= 0.0 => Ok(Duration::from_secs_f64(s)),
-        Some(s) => Err(PyValueError::new_err(format!("timeout {s} must be >= 0 seconds"))),
+        Some(s) => Err(PyValueError::new_err(format!(
+            "timeout {s} must be >= 0 seconds"
+        ))),
     }
 }
 
@@ -124,7 +214,8 @@ impl RawBuf {
         // SAFETY: `obj` is a live object (we hold the GIL) and `view` points to writable
         // memory for one Py_buffer. PyBUF_SIMPLE asks for contiguous bytes; exporters
         // that cannot provide them fail with BufferError.
-        let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_SIMPLE) };
+        let rc =
+            unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_SIMPLE) };
         if rc != 0 {
             return Err(PyErr::fetch(obj.py()));
         }
@@ -164,7 +255,11 @@ struct PyView {
 impl PyView {
     /// # Safety
     /// Called by CPython with a valid `Py_buffer` to fill.
-    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
         if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
             return Err(PyBufferError::new_err(
                 "objects are immutable once sealed: this buffer is read-only (copy it to modify)",
@@ -243,7 +338,9 @@ impl PyCreation {
                 c.abort();
                 Ok(())
             }
-            None => Err(PyValueError::new_err("this creation was already sealed or aborted")),
+            None => Err(PyValueError::new_err(
+                "this creation was already sealed or aborted",
+            )),
         }
     }
 }
@@ -252,7 +349,11 @@ impl PyCreation {
 impl PyCreation {
     /// # Safety
     /// Called by CPython with a valid `Py_buffer` to fill.
-    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, _flags: c_int) -> PyResult<()> {
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        _flags: c_int,
+    ) -> PyResult<()> {
         let ptr = {
             let mut this = slf.borrow_mut();
             match this.c.as_mut() {
@@ -268,7 +369,14 @@ impl PyCreation {
         // SAFETY: `view` is valid per the caller; the block is ours alone until sealed,
         // and seal/abort refuse while an export is alive, so the bytes outlive it.
         let rc = unsafe {
-            ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr as *mut c_void, len as ffi::Py_ssize_t, 0, ffi::PyBUF_WRITABLE)
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr as *mut c_void,
+                len as ffi::Py_ssize_t,
+                0,
+                ffi::PyBUF_WRITABLE,
+            )
         };
         if rc == -1 {
             return Err(PyErr::fetch(slf.py()));
@@ -309,7 +417,9 @@ impl PyCreation {
     fn set_evictable(&mut self, evictable: bool) -> PyResult<()> {
         match self.c.as_mut() {
             Some(c) => c.set_evictable(evictable).map_err(err),
-            None => Err(PyValueError::new_err("this creation was already sealed or aborted")),
+            None => Err(PyValueError::new_err(
+                "this creation was already sealed or aborted",
+            )),
         }
     }
 
@@ -353,7 +463,9 @@ struct PyStore {
 fn dir_and_name(name: &str) -> (PathBuf, String) {
     let p = PathBuf::from(name);
     match (p.parent(), p.file_name()) {
-        (Some(d), Some(f)) if name.contains('/') => (d.to_path_buf(), f.to_string_lossy().into_owned()),
+        (Some(d), Some(f)) if name.contains('/') => {
+            (d.to_path_buf(), f.to_string_lossy().into_owned())
+        }
         _ => (PathBuf::from("/dev/shm"), name.to_string()),
     }
 }
@@ -409,7 +521,11 @@ impl PyStore {
         let cfg = StoreConfig {
             max_objects,
             max_clients,
-            when_full: if evict { WhenFull::Evict } else { WhenFull::Fail },
+            when_full: if evict {
+                WhenFull::Evict
+            } else {
+                WhenFull::Fail
+            },
             remove_when_unused,
             prefault,
             dir,
@@ -438,7 +554,13 @@ impl PyStore {
     /// Copies any C-contiguous buffer (bytes, numpy array, memoryview...) into a new
     /// sealed object: exactly one copy, without the GIL for large buffers.
     #[pyo3(signature = (id, data, meta=None))]
-    fn put(&self, py: Python<'_>, id: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>, meta: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn put(
+        &self,
+        py: Python<'_>,
+        id: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+        meta: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let id = object_id(id)?;
         let buf = RawBuf::get(data)?;
         let meta = meta.map(RawBuf::get).transpose()?;
@@ -454,7 +576,14 @@ impl PyStore {
     /// Starts an object of `n` bytes; write through `.buffer`, then `seal()`. With
     /// `timeout` (seconds), waits for space instead of failing when the store is full.
     #[pyo3(signature = (id, n, meta=None, timeout=None))]
-    fn create_object(&self, py: Python<'_>, id: &Bound<'_, PyAny>, n: u64, meta: Option<&Bound<'_, PyAny>>, timeout: Option<f64>) -> PyResult<PyCreation> {
+    fn create_object(
+        &self,
+        py: Python<'_>,
+        id: &Bound<'_, PyAny>,
+        n: u64,
+        meta: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+    ) -> PyResult<PyCreation> {
         let id = object_id(id)?;
         let meta = meta.map(RawBuf::get).transpose()?;
         let m = meta.as_ref().map_or(&[][..], |m| m.as_slice());
@@ -465,7 +594,9 @@ impl PyStore {
                 if m.is_empty() {
                     py.allow_threads(|| self.s.create_object_wait(&id, n, t))
                 } else {
-                    return Err(PyValueError::new_err("meta with a timeout is not supported; put meta in the object"));
+                    return Err(PyValueError::new_err(
+                        "meta with a timeout is not supported; put meta in the object",
+                    ));
                 }
             }
         }
@@ -482,7 +613,12 @@ impl PyStore {
     /// forever) for it to be sealed. The object stays pinned while the memoryview, or any
     /// array made from it, is alive; `memoryview.obj` is the `View` (id, meta).
     #[pyo3(signature = (id, timeout=None))]
-    fn get<'py>(&self, py: Python<'py>, id: &Bound<'py, PyAny>, timeout: Option<f64>) -> PyResult<Bound<'py, PyMemoryView>> {
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        id: &Bound<'py, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyMemoryView>> {
         let id = object_id(id)?;
         let v = match self.s.try_get(&id) {
             Ok(v) => v,
@@ -497,10 +633,16 @@ impl PyStore {
     }
 
     /// Like `get`, but never waits: None if the object is absent or not sealed yet.
-    fn try_get<'py>(&self, py: Python<'py>, id: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyMemoryView>>> {
+    fn try_get<'py>(
+        &self,
+        py: Python<'py>,
+        id: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyMemoryView>>> {
         let id = object_id(id)?;
         match self.s.try_get(&id) {
-            Ok(v) => Ok(Some(PyMemoryView::from(Bound::new(py, PyView { view: v })?.as_any())?)),
+            Ok(v) => Ok(Some(PyMemoryView::from(
+                Bound::new(py, PyView { view: v })?.as_any(),
+            )?)),
             Err(shmstore::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(err(e)),
         }
@@ -570,9 +712,16 @@ impl PyStore {
     /// Times the same small calls from Rust, without Python, for the overhead benchmark:
     /// ns per put of `size` bytes (fresh ids), per get + drop, per contains.
     #[pyo3(signature = (n, size=64))]
-    fn bench_native<'py>(&self, py: Python<'py>, n: u32, size: usize) -> PyResult<Bound<'py, PyDict>> {
+    fn bench_native<'py>(
+        &self,
+        py: Python<'py>,
+        n: u32,
+        size: usize,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let data = vec![7u8; size];
-        let ids: Vec<ObjectId> = (0..n).map(|i| ObjectId::of_key(format!("bench-native-{i}"))).collect();
+        let ids: Vec<ObjectId> = (0..n)
+            .map(|i| ObjectId::of_key(format!("bench-native-{i}")))
+            .collect();
         let per = |t: Instant| t.elapsed().as_nanos() as f64 / n as f64;
         let t = Instant::now();
         for id in &ids {
@@ -612,7 +761,11 @@ fn dtype(name: &str) -> PyResult<DType> {
 /// Lays out a tensor item: `arrays` is a list of (name, dtype name, shape); returns
 /// (header bytes, [(offset, nbytes)], total length).
 #[pyfunction]
-fn plan_item<'py>(py: Python<'py>, arrays: &Bound<'py, PyList>, meta: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyTuple>> {
+fn plan_item<'py>(
+    py: Python<'py>,
+    arrays: &Bound<'py, PyList>,
+    meta: &Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyTuple>> {
     let mut specs = Vec::with_capacity(arrays.len());
     for a in arrays.iter() {
         let (name, dt, shape): (String, String, Vec<u64>) = a.extract()?;
@@ -624,7 +777,9 @@ fn plan_item<'py>(py: Python<'py>, arrays: &Bound<'py, PyList>, meta: &Bound<'py
     }
     let mut m = Vec::with_capacity(meta.len());
     for (k, v) in meta.iter() {
-        let k: String = k.extract().map_err(|_| PyTypeError::new_err("item metadata keys are str"))?;
+        let k: String = k
+            .extract()
+            .map_err(|_| PyTypeError::new_err("item metadata keys are str"))?;
         m.push((k, meta_value(&v)?));
     }
     let plan = item::plan(&specs, &m).map_err(err)?;
@@ -651,7 +806,13 @@ fn decode_item<'py>(py: Python<'py>, data: &Bound<'py, PyAny>) -> PyResult<Bound
     let arrays = PyList::empty(py);
     for a in &d.arrays {
         let shape = PyTuple::new(py, &a.spec.shape)?;
-        arrays.append((a.spec.name.as_str(), a.spec.dtype.name(), shape, a.offset, a.nbytes))?;
+        arrays.append((
+            a.spec.name.as_str(),
+            a.spec.dtype.name(),
+            shape,
+            a.offset,
+            a.nbytes,
+        ))?;
     }
     let meta = PyDict::new(py);
     for (k, v) in &d.meta {
