@@ -78,6 +78,7 @@ impl Client<'_> {
         {
             return false;
         }
+        self.settle_ops();
         // The slot reads "start time 0" (unknown, never judged dead) until all is written.
         self.header.pid_ns.store(me.pid_ns, Ordering::Relaxed);
         self.header.pid.store(me.pid, Ordering::Relaxed);
@@ -98,6 +99,9 @@ impl Client<'_> {
     /// Releases the slot (the process detaches, or recovery finished with it).
     pub(crate) fn release(&self) {
         let c = self.header.ctl.load(Ordering::Relaxed);
+        // A holder that died inside a step left `started > finished`; recovery has owed a
+        // sweep for it. Settle the counters so the next holder starts quiet.
+        self.settle_ops();
         self.header.start_time.store(0, Ordering::Relaxed);
         self.header.pid.store(0, Ordering::Relaxed);
         self.header
@@ -108,6 +112,12 @@ impl Client<'_> {
     /// Whether a process (or a recoverer on its behalf) holds this slot.
     pub(crate) fn is_attached(&self) -> bool {
         state_of(self.ctl()) != CLIENT_FREE
+    }
+
+    /// Makes `ops_finished` equal `ops_started` (only for a slot nobody else uses).
+    fn settle_ops(&self) {
+        let started = self.header.ops_started.load(Ordering::Acquire);
+        self.header.ops_finished.store(started, Ordering::Release);
     }
 
     /// Starts an ownership-changing step.

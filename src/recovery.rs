@@ -46,7 +46,8 @@
 use crate::alloc::{blocks_in_slab, Allocator, Block, BlockKind, CLASS_SIZES};
 use crate::capacity::Globals;
 use crate::client::{
-    recoverer_of, state_of, Client, Identity, Liveness, CLIENT_ALIVE, CLIENT_RECOVERING,
+    recoverer_of, state_of, Client, Identity, Liveness, CLIENT_ALIVE, CLIENT_FREE,
+    CLIENT_RECOVERING,
 };
 use crate::layout::{CLASSES, PAGE, PAGES_PER_SLAB, SLAB};
 use crate::sync::Ordering;
@@ -281,12 +282,27 @@ impl World<'_> {
                 return false;
             }
         }
-        let ops = || -> Vec<(u64, u64)> { self.clients.iter().map(|c| c.ops()).collect() };
+        // Only attached clients count: a free slot runs no steps (its counters are settled
+        // when it is released or claimed, and a claim is seen as a `ctl` change below).
+        let ops = || -> Vec<(u64, u64, u64)> {
+            self.clients
+                .iter()
+                .map(|c| {
+                    let ctl = c.ctl();
+                    let (s, f) = if state_of(ctl) == CLIENT_FREE {
+                        (0, 0)
+                    } else {
+                        c.ops()
+                    };
+                    (ctl, s, f)
+                })
+                .collect()
+        };
         let before = ops();
         if before
             .iter()
             .enumerate()
-            .any(|(d, (s, f))| d as u64 != self.me && s != f)
+            .any(|(d, (_, s, f))| d as u64 != self.me && s != f)
         {
             return false;
         }
@@ -312,7 +328,7 @@ impl World<'_> {
             return false;
         }
         let snap = self.alloc.snapshot();
-        let mine = |v: Vec<(u64, u64)>| -> Vec<(u64, u64)> {
+        let mine = |v: Vec<(u64, u64, u64)>| -> Vec<(u64, u64, u64)> {
             v.into_iter()
                 .enumerate()
                 .filter(|(d, _)| *d as u64 != self.me)

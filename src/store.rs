@@ -1405,6 +1405,13 @@ impl Store {
         self.inner.scribble_metadata(offset, bytes)
     }
 
+    /// Test hook: starts an ownership-changing step and allocates a block that no entry
+    /// will ever name, as a process killed inside `create_object` leaves.
+    pub(crate) fn leak_inside_allocator_step(&self, size: u64) -> Result<()> {
+        self.inner.client().begin_op();
+        self.inner.alloc().alloc(size).map(|_| ())
+    }
+
     /// Test hook: a recovery that stops halfway (see `testing::interrupted_recovery`).
     pub(crate) fn recover_interrupted(&self) -> u64 {
         self.inner.world().recover_dead_interrupted()

@@ -527,3 +527,10 @@ pub fn fuzz_item_header(data: &[u8]) {
     let cut = data.first().map_or(0, |&b| b as usize) % (object.len() + 1);
     check(&object[..cut]);
 }
+
+/// Allocates `size` bytes inside an ownership-changing step that never ends and that no
+/// table entry names: what a process killed in the middle of `create_object` leaves. For
+/// the test that the leak sweep returns it (call it in a process that is then killed).
+pub fn leak_inside_allocator_step(store: &Store, size: u64) -> crate::Result<()> {
+    store.leak_inside_allocator_step(size)
+}

@@ -66,6 +66,13 @@ fn child_entry() {
             say(format!("claimed {n}"));
             let _ = hear();
         }
+        // Die inside an allocator step: a block claimed that no entry names.
+        "leak-and-stall" => {
+            let size: u64 = args[1].parse().unwrap();
+            shmstore::testing::leak_inside_allocator_step(&store, size).unwrap();
+            say("leaked");
+            let _ = hear();
+        }
         // Attach and exit cleanly when told.
         "attach" => {
             say("attached");
@@ -265,4 +272,40 @@ fn a_recoverer_killed_midway_is_finished_by_the_next_one() {
         "{st:?}"
     );
     store.check_invariants().unwrap();
+}
+
+#[test]
+fn a_process_killed_inside_the_allocator_leaks_nothing_for_long() {
+    let (store, _c) = new_store("sweep", StoreConfig::with_capacity(4 << 20));
+    let keep = ObjectId::of_key("keep");
+    store.put(&keep, &[9u8; 1000]).unwrap();
+    let used = store.stats().used;
+    let leak_and_die = |size: u64| {
+        let mut p = child("leak-and-stall", &store, &[size.to_string()]);
+        assert_eq!(p.recv(), "leaked");
+        kill(p);
+        assert!(store.stats().used > used, "the block is allocated");
+        // Recovery owes a sweep; no live process is inside an allocator step, so it runs.
+        let r = store.recover().unwrap();
+        assert_eq!(
+            (r.clients_recovered, r.leaked_blocks_freed),
+            (1, 1),
+            "{r:?}"
+        );
+        assert!(!r.sweep_pending, "{r:?}");
+        let st = store.stats();
+        assert_eq!((st.used, st.sweep_pending), (used, false), "{st:?}");
+        store.check_invariants().unwrap();
+    };
+    leak_and_die(300_000);
+    // A live process now holds the dead one's client slot: it must not look as if it were
+    // inside the dead process's unfinished step, or no sweep could ever run again.
+    let mut live = child("attach", &store, &[]);
+    assert_eq!(live.recv(), "attached");
+    leak_and_die(100);
+    leak_and_die(1 << 20);
+    live.send("bye");
+    live.finish();
+    assert_eq!(store.stats().leaked_blocks_freed, 3);
+    assert_eq!(&store.try_get(&keep).unwrap()[..3], &[9, 9, 9]);
 }
