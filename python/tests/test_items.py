@@ -126,3 +126,36 @@ def test_torch_tensors_in_and_out_including_bfloat16(store):
     got = shmstore.get_item(store, "t", 1.0, as_torch=True)
     for k, v in t.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v.contiguous()), k
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_torch_tensors_share_memory_pin_and_fault_on_write_when_read_only(store, store_name):
+    import torch
+
+    from conftest import run_python
+
+    shmstore.put_item(store, "img", {"x": torch.ones(3, 32, 32)})
+    a = shmstore.get_item(store, "img", 1.0, as_torch=True)["x"]
+    b = shmstore.get_item(store, "img", 1.0, as_torch=True)["x"]
+    assert a.data_ptr() == b.data_ptr(), "two gets map the same bytes"
+    gc.collect()
+    assert store.stats()["pins"] == 2
+    del a, b
+    gc.collect()
+    assert store.stats()["pins"] == 0
+    # PyTorch has no read-only tensors; a read-only attach makes the kernel refuse writes.
+    out = run_python(
+        """
+        import sys, shmstore
+        s = shmstore.Store.open(sys.argv[1], read_only=True)
+        x = shmstore.get_item(s, "img", 5.0, as_torch=True)["x"]
+        print("attached", flush=True)
+        x.add_(1)   # looks legal to torch
+        print("wrote")
+        """,
+        store_name,
+        check=False,
+    )
+    assert "attached" in out.stdout and "wrote" not in out.stdout
+    assert out.returncode == -11
+    assert float(shmstore.get_item(store, "img", 0, as_torch=True)["x"].sum()) == 3 * 32 * 32
