@@ -4,24 +4,13 @@
 
 mod common;
 
-use common::{bytes, child_role, hear, say, spawn, unique_name, Cleanup, Proc};
+use common::{bytes, child, child_role, hear, say, spawn, Cleanup, Proc, CHILD_ENTRY};
 use shmstore::{Error, ObjectId, Store, StoreConfig};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-const ENTRY: &str = "child_entry";
-
 fn new_store(tag: &str, capacity: u64) -> (Store, Cleanup) {
-    let name = unique_name(tag);
-    let store = Store::create(&name, &StoreConfig::with_capacity(capacity)).unwrap();
-    let path = store.path().unwrap().to_path_buf();
-    (store, Cleanup(path))
-}
-
-fn child(role: &str, store: &Store, extra: &[String]) -> Proc {
-    let mut args = vec![store.path().unwrap().display().to_string()];
-    args.extend_from_slice(extra);
-    spawn(ENTRY, role, &args)
+    common::store_with(tag, &StoreConfig::with_capacity(capacity))
 }
 
 /// Child processes: dispatched on `SHMSTORE_CHILD`. Runs only when started by a test below.
@@ -304,7 +293,7 @@ fn anonymous_store_is_shared_through_proc_fd() {
     let path = format!("/proc/{}/fd/{}", std::process::id(), store.fd().as_raw_fd());
     let data = bytes(3, 5000);
     let id = ObjectId::of_content(&data);
-    let mut p = spawn(ENTRY, "get-hash", &[path, id.to_string()]);
+    let mut p = spawn(CHILD_ENTRY, "get-hash", &[path, id.to_string()]);
     assert_eq!(p.recv(), "attached");
     store.put(&id, &data).unwrap();
     assert_eq!(p.recv(), id.to_string());

@@ -6,23 +6,13 @@
 
 mod common;
 
-use common::{child_role, hear, say, spawn, unique_name, Cleanup, Proc};
+use common::{child, child_role, hear, say, Cleanup, Proc};
 use shmstore::{Error, ObjectId, Store, StoreConfig};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-const ENTRY: &str = "child_entry";
-
 fn new_store(tag: &str, cfg: StoreConfig) -> (Store, Cleanup) {
-    let store = Store::create(&unique_name(tag), &cfg).unwrap();
-    let path = store.path().unwrap().to_path_buf();
-    (store, Cleanup(path))
-}
-
-fn child(role: &str, store: &Store, extra: &[String]) -> Proc {
-    let mut args = vec![store.path().unwrap().display().to_string()];
-    args.extend_from_slice(extra);
-    spawn(ENTRY, role, &args)
+    common::store_with(tag, &cfg)
 }
 
 fn kill(mut p: Proc) {

@@ -132,6 +132,23 @@ pub fn hear() -> String {
     s.trim_end().to_string()
 }
 
+/// The test entry point that child processes run (an `#[ignore]`d test in each binary).
+pub const CHILD_ENTRY: &str = "child_entry";
+
+/// A named store for one test, removed when the returned guard drops.
+pub fn store_with(tag: &str, cfg: &shmstore::StoreConfig) -> (shmstore::Store, Cleanup) {
+    let store = shmstore::Store::create(&unique_name(tag), cfg).unwrap();
+    let path = store.path().unwrap().to_path_buf();
+    (store, Cleanup(path))
+}
+
+/// Starts this binary's `child_entry` as a child in `role`, attached to `store`.
+pub fn child(role: &str, store: &shmstore::Store, extra: &[String]) -> Proc {
+    let mut args = vec![store.path().unwrap().display().to_string()];
+    args.extend_from_slice(extra);
+    spawn(CHILD_ENTRY, role, &args)
+}
+
 /// A unique store name for this test run.
 pub fn unique_name(tag: &str) -> String {
     // Tags are unique per test; the pid separates concurrent test binaries.
