@@ -28,10 +28,11 @@
 //! ```
 //!
 //! Module map, lowest layer first (each depends only on those above it in this list):
-//! [`sync`](crate::sync) (atomics and futexes, loom-switchable) -> `layout` (superblock,
+//! `sync` (atomics and futexes, loom-switchable) -> `layout` (superblock,
 //! section offsets) -> `region` (file, memfd, mapping) -> `alloc` (allocator) -> `table`
 //! (object table) -> `client` (per-process slots) -> `capacity` (eviction, back-pressure)
-//! -> `recovery` (dead clients, leak sweep) -> `store` (public API).
+//! -> `recovery` (dead clients, leak sweep) -> `store` (public API); [`item`] (tensor
+//! items: one object of named arrays) stands apart, on `error` alone.
 //! The design is in `docs/design.md`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
