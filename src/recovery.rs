@@ -29,7 +29,8 @@
 //! entry names and that cannot be told apart from another process's claim by looking at
 //! the words alone. The sweep settles them by comparing the whole allocator with the whole
 //! table at a moment when provably no live client was inside an ownership-changing step:
-//! it reads every live client's `(ops_started, ops_finished)`, requires them equal, scans
+//! it reads every attached client's `(ops_started, ops_finished)` (its own included: other
+//! threads of its process share its slot), requires them equal, scans
 //! the table and the allocator, and reads the counters again; unchanged counters mean
 //! nothing changed owner in between (every such step bumps `ops_started` before its first
 //! write). Then:
@@ -284,6 +285,8 @@ impl World<'_> {
         }
         // Only attached clients count: a free slot runs no steps (its counters are settled
         // when it is released or claimed, and a claim is seen as a `ctl` change below).
+        // Our own slot counts too: other threads of this process share it. (So a sweep
+        // called from inside one of our own steps finds no quiet moment and stays owed.)
         let ops = || -> Vec<(u64, u64, u64)> {
             self.clients
                 .iter()
@@ -299,11 +302,7 @@ impl World<'_> {
                 .collect()
         };
         let before = ops();
-        if before
-            .iter()
-            .enumerate()
-            .any(|(d, (_, s, f))| d as u64 != self.me && s != f)
-        {
+        if before.iter().any(|(_, s, f)| s != f) {
             return false;
         }
         // Everything the table names.
@@ -328,14 +327,7 @@ impl World<'_> {
             return false;
         }
         let snap = self.alloc.snapshot();
-        let mine = |v: Vec<(u64, u64, u64)>| -> Vec<(u64, u64, u64)> {
-            v.into_iter()
-                .enumerate()
-                .filter(|(d, _)| *d as u64 != self.me)
-                .map(|(_, x)| x)
-                .collect()
-        };
-        if mine(ops()) != mine(before) {
+        if ops() != before {
             return false;
         }
         self.ops.begin_op();
