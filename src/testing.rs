@@ -427,6 +427,9 @@ pub fn scribble_and_exercise(writes: &[(u32, Vec<u8>)]) {
 fn exercise(s: &Store) {
     let _ = s.stats();
     let _ = s.check_invariants();
+    // Recovery and the leak sweep read other clients' fields (liveness, counters, owners,
+    // creators): scribbled ones must give errors or nothing, never a crash or a hang.
+    let _ = s.recover();
     for k in 0..KEYS {
         let _ = s.contains(&id(k));
         if let Ok(v) = s.try_get(&id(k)) {
