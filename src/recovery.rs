@@ -112,16 +112,9 @@ impl World<'_> {
             if self.claim(d).is_some() {
                 self.recover_client(d, &mut report);
                 self.clients[d as usize].release();
-                report.clients_recovered += 1;
-                self.globals
-                    .recovered_clients
-                    .fetch_add(1, Ordering::Relaxed);
             }
         }
         self.sweep(&mut report);
-        self.globals
-            .reclaimed_bytes
-            .fetch_add(report.bytes_reclaimed, Ordering::Relaxed);
         report
     }
 
@@ -177,17 +170,12 @@ impl World<'_> {
     /// RECOVERING by ourselves), before we use it.
     pub(crate) fn recover_own_slot(&self, report: &mut RecoveryReport) {
         self.recover_client(self.me, report);
-        report.clients_recovered += 1;
-        self.globals
-            .recovered_clients
-            .fetch_add(1, Ordering::Relaxed);
-        self.globals
-            .reclaimed_bytes
-            .fetch_add(report.bytes_reclaimed, Ordering::Relaxed);
     }
 
-    /// Steps 2-5 of the module docs for dead client `d` (whose slot we hold).
+    /// Steps 2-5 of the module docs for dead client `d` (whose slot we hold), counted in
+    /// `report` and in the store-wide stats.
     fn recover_client(&self, d: u64, report: &mut RecoveryReport) {
+        let bytes_before = report.bytes_reclaimed;
         let (started, finished) = self.clients[d as usize].ops();
         let mut owe = started != finished;
         let t = &self.table;
@@ -231,10 +219,16 @@ impl World<'_> {
         if owe {
             self.globals.sweeps_owed.fetch_add(1, Ordering::AcqRel);
         }
+        report.clients_recovered += 1;
+        let g = self.globals;
+        g.recovered_clients.fetch_add(1, Ordering::Relaxed);
+        g.reclaimed_bytes
+            .fetch_add(report.bytes_reclaimed - bytes_before, Ordering::Relaxed);
     }
 
-    /// Runs the leak sweep if one is owed and nobody else is sweeping. Returns whether no
-    /// sweep is owed any more.
+    /// Runs the leak sweep if one is owed and nobody else is sweeping, counted in `report`
+    /// and in the store-wide stats. Returns whether no sweep is owed any more (and sets
+    /// `report.sweep_pending` if one is).
     pub(crate) fn sweep(&self, report: &mut RecoveryReport) -> bool {
         let g = self.globals;
         let owed = g.sweeps_owed.load(Ordering::Acquire);
@@ -255,10 +249,14 @@ impl World<'_> {
             report.sweep_pending = true;
             return false;
         }
-        let before = report.leaked_blocks_freed;
+        let (blocks_before, bytes_before) = (report.leaked_blocks_freed, report.bytes_reclaimed);
         let done = self.sweep_owned(report);
-        g.leaked_blocks_freed
-            .fetch_add(report.leaked_blocks_freed - before, Ordering::Relaxed);
+        g.leaked_blocks_freed.fetch_add(
+            report.leaked_blocks_freed - blocks_before,
+            Ordering::Relaxed,
+        );
+        g.reclaimed_bytes
+            .fetch_add(report.bytes_reclaimed - bytes_before, Ordering::Relaxed);
         let _ = g
             .sweeper
             .compare_exchange(self.me + 1, 0, Ordering::AcqRel, Ordering::Relaxed);

@@ -1266,22 +1266,18 @@ impl Store {
         if self.inner.read_only {
             return Err(Error::ReadOnly { op: "recover" });
         }
-        let mut report = self.inner.recover();
-        // The sweep needs a moment when nobody allocates; give it a few chances.
+        let world = self.inner.world();
+        let mut report = world.recover_dead();
+        // The sweep needs a moment when no attached process is inside an allocator step.
+        // No event marks such a moment (steps end without a wake-up), so back off briefly
+        // and look again, ~0.1 s at most; if none comes it stays owed for the schedule.
         for _ in 0..50 {
             if !report.sweep_pending {
                 break;
             }
             std::thread::sleep(Duration::from_millis(2));
-            let mut more = RecoveryReport::default();
-            self.inner.world().sweep(&mut more);
-            report.leaked_blocks_freed += more.leaked_blocks_freed;
-            report.bytes_reclaimed += more.bytes_reclaimed;
-            self.inner
-                .globals
-                .reclaimed_bytes
-                .fetch_add(more.bytes_reclaimed, Ordering::Relaxed);
-            report.sweep_pending = more.sweep_pending;
+            report.sweep_pending = false;
+            world.sweep(&mut report);
         }
         Ok(report)
     }

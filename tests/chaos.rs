@@ -159,7 +159,9 @@ fn worker_entry() {
                     Ok(mut c) => {
                         c.copy_from_slice(&data);
                         if rng.below(4) == 0 {
-                            // Dawdle so getters block on it (and kills land mid-creation).
+                            // Dawdle so getters block on it (and kills land mid-creation):
+                            // the sleep is the scenario, not a wait for anything, and it is
+                            // counted in this operation's allowance.
                             let nap = Duration::from_millis(rng.below(50));
                             std::thread::sleep(nap);
                             allowance += nap;
@@ -299,6 +301,8 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
     let mut kills = 0u64;
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(secs) {
+        // The kill schedule: a random moment, whatever the workers are doing (no race to
+        // wait out; the checks at the end hold for every interleaving).
         std::thread::sleep(Duration::from_millis(20 + rng.below(300)));
         let k = rng.below(workers.len() as u64) as usize;
         let mut w = workers.swap_remove(k);
