@@ -1,21 +1,31 @@
-//! Client slots: one per attached process, so that everything a process holds is
-//! attributable to it, and so that a dead process can be told from a live one.
+//! Client slots: one per attachment, so that everything a process holds is attributable
+//! to it, and so that a dead process can be told from a live one.
 //!
-//! A process attaching to a store claims a free client slot with one CAS and records its
-//! pid and the kernel's start time for that pid (field 22 of `/proc/PID/stat`), which a
-//! recycled pid cannot reproduce. Its client index then marks everything it holds: its
-//! column of pin counters, the `creator` of its unfinished objects, the `owner` of table
-//! slots it is part-way through changing. Recovery (see [`crate::recovery`]) finds exactly
-//! what a dead client held from those marks.
+//! An attachment holds client slot `i` while it holds slot `i`'s *lock* ([`SlotLocks`]; in
+//! a real store an OFD lock on one byte of the store file, see [`crate::liveness`]). The
+//! kernel drops the lock when the process dies, however it dies, so "`ctl` says ALIVE but
+//! nobody holds the lock" means the holder is dead. The rules that make this exact:
 //!
-//! `ctl = generation << 24 | (recoverer + 1) << 8 | state`, states [`CLIENT_FREE`],
-//! [`CLIENT_ALIVE`], [`CLIENT_RECOVERING`]. The generation changes on every claim, so a
-//! getter that remembered `ctl` of an object's creator can tell whether that creator is
-//! still the same attachment.
+//! * the lock is taken **before** the slot's `ctl` leaves FREE, and dropped only **after**
+//!   it is FREE again: an ALIVE slot whose lock is free has a dead holder, and there is no
+//!   window in which a slot is taken but its holder cannot be judged;
+//! * `ctl = generation << 24 | (recoverer + 1) << 8 | state`, states [`CLIENT_FREE`],
+//!   [`CLIENT_ALIVE`], [`CLIENT_RECOVERING`]. RECOVERING names the slot whose *lock holder*
+//!   is doing the recovery: an attached recoverer names its own slot; a process attaching
+//!   into a dead client's slot names that slot itself, whose lock it took first;
+//! * the generation changes on every move to ALIVE, so a getter that remembered an
+//!   object's creator's `ctl` can tell whether that creator is still the same attachment.
+//!
+//! The index of a slot marks everything its holder has in hand: its column of pin
+//! counters, the `creator` of its unfinished objects, the `owner` of table slots it is
+//! part-way through changing. Recovery (see [`crate::recovery`]) finds exactly what a dead
+//! client held from those marks.
 //!
 //! `ops_started` / `ops_finished` bracket every step of this client that changes who owns
 //! a block (allocate + insert, free + release). They let the leak sweep prove that no
 //! live client was inside such a step while it looked (docs/design.md, "Crashes").
+//! `raw_blocks` counts blocks handed out without a table entry (`Store::raw_alloc`), which
+//! the sweep must not mistake for leaks.
 
 use crate::layout::CLIENT_HEADER;
 use crate::sync::{AtomicU64, Ordering};
@@ -31,299 +41,540 @@ pub(crate) const CLIENT_RECOVERING: u64 = 2;
 pub(crate) struct ClientHeader {
     /// `generation << 24 | (recoverer + 1) << 8 | state`.
     pub ctl: AtomicU64,
-    /// Process id of the holder.
+    /// Process id of the holder, for messages and tools only (liveness is the lock).
     pub pid: AtomicU64,
-    /// Kernel start time of that pid, in clock ticks since boot.
-    pub start_time: AtomicU64,
     /// Wall-clock attach time, ns since the epoch.
     pub attached_unix_ns: AtomicU64,
     /// Ownership-changing steps begun.
     pub ops_started: AtomicU64,
     /// Ownership-changing steps finished.
     pub ops_finished: AtomicU64,
-    /// Inode of the holder's pid namespace: pids are only compared within one.
-    pub pid_ns: AtomicU64,
+    /// Blocks from `raw_alloc` not yet given back.
+    pub raw_blocks: AtomicU64,
+    _reserved: [u64; 26],
 }
 
-const _: () = assert!(std::mem::size_of::<ClientHeader>() as u64 <= CLIENT_HEADER);
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<ClientHeader>() as u64 == CLIENT_HEADER);
 
 /// The state byte of a client `ctl` word.
 pub(crate) fn state_of(ctl: u64) -> u64 {
     ctl & 0xff
 }
 
-/// The recovering client named in a RECOVERING `ctl` word.
+/// The recovering slot named in a RECOVERING `ctl` word.
 pub(crate) fn recoverer_of(ctl: u64) -> Option<u64> {
     ((ctl >> 8) & 0xffff).checked_sub(1)
 }
 
-/// One client's slot.
-pub(crate) struct Client<'a> {
-    pub header: &'a ClientHeader,
+fn generation_of(ctl: u64) -> u64 {
+    ctl >> 24
 }
 
-impl Client<'_> {
-    /// Tries to take this slot for the current process.
-    pub(crate) fn try_claim(&self, me: &Identity, now_ns: u64) -> bool {
-        let c = self.header.ctl.load(Ordering::Relaxed);
-        if state_of(c) != CLIENT_FREE {
-            return false;
-        }
-        let next = ((c >> 24).wrapping_add(1) << 24) | CLIENT_ALIVE;
-        if self
-            .header
-            .ctl
-            .compare_exchange(c, next, Ordering::AcqRel, Ordering::Relaxed)
-            .is_err()
-        {
-            return false;
-        }
-        self.settle_ops();
-        // The slot reads "start time 0" (unknown, never judged dead) until all is written.
-        self.header.pid_ns.store(me.pid_ns, Ordering::Relaxed);
-        self.header.pid.store(me.pid, Ordering::Relaxed);
-        self.header
-            .attached_unix_ns
-            .store(now_ns, Ordering::Relaxed);
-        self.header
-            .start_time
-            .store(me.start_time, Ordering::Release);
-        true
-    }
-
-    /// The `ctl` word now.
-    pub(crate) fn ctl(&self) -> u64 {
-        self.header.ctl.load(Ordering::Acquire)
-    }
-
-    /// Releases the slot (the process detaches, or recovery finished with it).
-    pub(crate) fn release(&self) {
-        let c = self.header.ctl.load(Ordering::Relaxed);
-        // A holder that died inside a step left `started > finished`; recovery has owed a
-        // sweep for it. Settle the counters so the next holder starts quiet.
-        self.settle_ops();
-        self.header.start_time.store(0, Ordering::Relaxed);
-        self.header.pid.store(0, Ordering::Relaxed);
-        self.header
-            .ctl
-            .store((c >> 24) << 24 | CLIENT_FREE, Ordering::Release);
-    }
-
-    /// Whether a process (or a recoverer on its behalf) holds this slot.
-    pub(crate) fn is_attached(&self) -> bool {
-        state_of(self.ctl()) != CLIENT_FREE
-    }
-
-    /// Makes `ops_finished` equal `ops_started` (only for a slot nobody else uses).
-    fn settle_ops(&self) {
-        let started = self.header.ops_started.load(Ordering::Acquire);
-        self.header.ops_finished.store(started, Ordering::Release);
-    }
-
-    /// Starts an ownership-changing step.
-    pub(crate) fn begin_op(&self) {
-        self.header.ops_started.fetch_add(1, Ordering::SeqCst);
-    }
-
-    /// Ends it.
-    pub(crate) fn end_op(&self) {
-        self.header.ops_finished.fetch_add(1, Ordering::Release);
-    }
-
-    /// `(started, finished)`: equal when the client is outside every such step.
-    pub(crate) fn ops(&self) -> (u64, u64) {
-        (
-            self.header.ops_started.load(Ordering::Acquire),
-            self.header.ops_finished.load(Ordering::Acquire),
-        )
-    }
-
-    /// Moves into the slot of a dead client: one CAS to RECOVERING by our own index `me`
-    /// (so others see the slot in hand), then our identity. The caller cleans up what
-    /// the dead client held, then calls [`finish_inherit`](Self::finish_inherit).
-    pub(crate) fn try_inherit(&self, id: &Identity, now_ns: u64, me: u64) -> bool {
-        let seen = self.ctl();
-        if state_of(seen) != CLIENT_ALIVE || self.process_alive(id) {
-            return false;
-        }
-        if self.claim_for_recovery(seen, me).is_none() {
-            return false;
-        }
-        // Start time 0 ("unknown", so never judged dead) while the other fields change.
-        self.header.start_time.store(0, Ordering::Release);
-        self.header.pid_ns.store(id.pid_ns, Ordering::Relaxed);
-        self.header.pid.store(id.pid, Ordering::Relaxed);
-        self.header
-            .attached_unix_ns
-            .store(now_ns, Ordering::Relaxed);
-        self.header
-            .start_time
-            .store(id.start_time, Ordering::Release);
-        true
-    }
-
-    /// Completes [`try_inherit`](Self::try_inherit): RECOVERING(by us) -> ALIVE at a new
-    /// generation. `false` if a recoverer took the slot meanwhile.
-    pub(crate) fn finish_inherit(&self, me: u64) -> bool {
-        let c = self.ctl();
-        if state_of(c) != CLIENT_RECOVERING || recoverer_of(c) != Some(me) {
-            return false;
-        }
-        let next = ((c >> 24).wrapping_add(1) << 24) | CLIENT_ALIVE;
-        self.header
-            .ctl
-            .compare_exchange(c, next, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-    }
-
-    /// Takes over the slot of a dead client (or of a dead recoverer) for recovery by
-    /// client `me`: one CAS from the `ctl` value `seen`. Returns the new `ctl`.
-    pub(crate) fn claim_for_recovery(&self, seen: u64, me: u64) -> Option<u64> {
-        let next = (seen >> 24) << 24 | (me + 1) << 8 | CLIENT_RECOVERING;
-        self.header
-            .ctl
-            .compare_exchange(seen, next, Ordering::AcqRel, Ordering::Relaxed)
-            .ok()
-            .map(|_| next)
-    }
+/// `ctl` moved to ALIVE at the next generation.
+fn alive_after(ctl: u64) -> u64 {
+    (generation_of(ctl).wrapping_add(1) << 24) | CLIENT_ALIVE
 }
 
-/// Whether the process that holds a client slot still runs.
+/// `ctl` moved to RECOVERING by slot `by`, same generation.
+fn recovering_by(ctl: u64, by: u64) -> u64 {
+    (generation_of(ctl) << 24) | (by + 1) << 8 | CLIENT_RECOVERING
+}
+
+/// `ctl` moved to FREE, same generation.
+fn free_after(ctl: u64) -> u64 {
+    generation_of(ctl) << 24 | CLIENT_FREE
+}
+
+/// The liveness locks of the client slots, as one attachment holds and sees them.
+pub(crate) trait SlotLocks {
+    /// Takes slot `i`'s lock for this attachment (it may hold it already); `false` if
+    /// another attachment holds it.
+    fn try_lock(&self, i: u64) -> bool;
+    /// Drops this attachment's lock on slot `i`.
+    fn unlock(&self, i: u64);
+    /// Whether another attachment, in any process, holds slot `i`'s lock (if in doubt:
+    /// `true`).
+    fn locked_elsewhere(&self, i: u64) -> bool;
+}
+
+/// Whether the holder of a client slot still runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Liveness {
     /// No process holds the slot.
     Free,
-    /// The recorded pid runs and started at the recorded time.
+    /// Its holder runs.
     Alive,
-    /// The recorded pid is gone, or was reused by a process that started later.
+    /// Its holder died; nobody has recovered it yet.
     Dead,
     /// A recoverer is returning what the dead holder left.
     Recovering,
 }
 
-impl Client<'_> {
-    /// Checks the holder's pid and start time against `/proc` (see
-    /// [`process_alive`](Self::process_alive)).
-    pub(crate) fn liveness(&self, observer: &Identity) -> Liveness {
-        match state_of(self.ctl()) {
-            CLIENT_ALIVE => {}
-            CLIENT_RECOVERING => return Liveness::Recovering,
-            _ => return Liveness::Free,
-        }
-        if self.process_alive(observer) {
-            Liveness::Alive
-        } else {
-            Liveness::Dead
-        }
-    }
-
-    /// Whether the recorded pid runs with the recorded start time, as far as `observer`
-    /// can tell. A holder whose identity cannot be checked from here (unknown start time,
-    /// another pid namespace, or an observer without /proc) counts as alive: recovering a
-    /// live client would free memory it still reads, so doubt always means "alive".
-    pub(crate) fn process_alive(&self, observer: &Identity) -> bool {
-        let start = self.header.start_time.load(Ordering::Acquire);
-        let pid = self.header.pid.load(Ordering::Relaxed);
-        let ns = self.header.pid_ns.load(Ordering::Relaxed);
-        if start == 0 || observer.start_time == 0 || ns == 0 || ns != observer.pid_ns {
-            return true;
-        }
-        matches!(u32::try_from(pid).ok().and_then(process_start_time), Some(t) if t == start)
-    }
-}
-
-/// Who a process is, in the terms client slots record.
+/// What an attaching process found in the slot whose lock it took.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Identity {
-    /// Process id.
-    pub pid: u64,
-    /// Kernel start time (0 if /proc is unreadable).
-    pub start_time: u64,
-    /// Pid namespace inode (0 if unknown).
-    pub pid_ns: u64,
+pub(crate) enum Claimed {
+    /// The slot was FREE and is now ALIVE, ours.
+    Fresh,
+    /// The slot belonged to a dead client and is now RECOVERING in our hands (named by
+    /// itself): recover it as client `i`, then [`Clients::finish_claim`].
+    Dead,
 }
 
-impl Identity {
-    /// The calling process.
-    pub(crate) fn current() -> Self {
-        let pid = std::process::id();
-        Identity {
-            pid: pid as u64,
-            start_time: process_start_time(pid).unwrap_or(0),
-            pid_ns: pid_namespace().unwrap_or(0),
+/// Every client slot, as seen by one attachment (`me`: the slot it holds, if any).
+pub(crate) struct Clients<'a> {
+    headers: &'a [ClientHeader],
+    locks: &'a dyn SlotLocks,
+    me: Option<u64>,
+}
+
+impl<'a> Clients<'a> {
+    pub(crate) fn new(
+        headers: &'a [ClientHeader],
+        locks: &'a dyn SlotLocks,
+        me: Option<u64>,
+    ) -> Self {
+        Clients { headers, locks, me }
+    }
+
+    /// Number of client slots.
+    pub(crate) fn len(&self) -> u64 {
+        self.headers.len() as u64
+    }
+
+    /// Slot `i`'s header; `None` out of range (indices read from shared memory are
+    /// untrusted).
+    pub(crate) fn get(&self, i: u64) -> Option<&'a ClientHeader> {
+        self.headers.get(usize::try_from(i).ok()?)
+    }
+
+    /// Slot `i`'s `ctl` now (0, FREE, out of range).
+    pub(crate) fn ctl(&self, i: u64) -> u64 {
+        self.get(i).map_or(0, |h| h.ctl.load(Ordering::Acquire))
+    }
+
+    /// Whether slot `i`'s lock is held: by us (`me`), or by another attachment.
+    pub(crate) fn holder_alive(&self, i: u64) -> bool {
+        Some(i) == self.me || (i < self.len() && self.locks.locked_elsewhere(i))
+    }
+
+    /// Whether slot `i` is attached and its holder runs.
+    pub(crate) fn liveness(&self, i: u64) -> Liveness {
+        match state_of(self.ctl(i)) {
+            CLIENT_ALIVE if self.holder_alive(i) => Liveness::Alive,
+            CLIENT_ALIVE => Liveness::Dead,
+            CLIENT_RECOVERING => Liveness::Recovering,
+            _ => Liveness::Free,
         }
     }
-}
 
-/// Inode of this process's pid namespace (`/proc/self/ns/pid` -> `pid:[N]`).
-fn pid_namespace() -> Option<u64> {
-    let link = std::fs::read_link("/proc/self/ns/pid").ok()?;
-    let s = link.to_str()?;
-    s.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
-}
-
-/// Kernel start time of `pid` (clock ticks since boot), from `/proc/PID/stat`.
-pub(crate) fn process_start_time(pid: u32) -> Option<u64> {
-    if pid == 0 {
-        return None;
+    /// Attaching: tries to take slot `i` (see [`Claimed`]); a dead client's slot only if
+    /// `take_dead` (attaching prefers free slots, leaving the dead to recovery, which
+    /// counts them). `None`: another live attachment holds it, a live recoverer is working
+    /// on it, or it is a dead client's and `!take_dead`; we hold no lock then.
+    pub(crate) fn try_claim(&self, i: u64, take_dead: bool) -> Option<Claimed> {
+        let h = self.get(i)?;
+        if !self.locks.try_lock(i) {
+            return None;
+        }
+        // The lock is ours: whoever held this slot before us is dead or gone.
+        let mut c = h.ctl.load(Ordering::Acquire);
+        loop {
+            if state_of(c) != CLIENT_FREE && !take_dead {
+                self.locks.unlock(i);
+                return None;
+            }
+            let (next, found) = match state_of(c) {
+                CLIENT_FREE => (alive_after(c), Claimed::Fresh),
+                // Its holder died (its lock was free): recover it as itself.
+                CLIENT_ALIVE => (recovering_by(c, i), Claimed::Dead),
+                CLIENT_RECOVERING => match recoverer_of(c) {
+                    // A process that was moving in died midway: take over its recovery.
+                    Some(by) if by == i => return Some(Claimed::Dead),
+                    // A live recoverer is at work: it will free the slot soon.
+                    Some(by) if by < self.len() && self.locks.locked_elsewhere(by) => {
+                        self.locks.unlock(i);
+                        return None;
+                    }
+                    _ => (recovering_by(c, i), Claimed::Dead),
+                },
+                _ => {
+                    self.locks.unlock(i); // corrupt: leave it alone
+                    return None;
+                }
+            };
+            match h
+                .ctl
+                .compare_exchange(c, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    if found == Claimed::Fresh {
+                        settle(h);
+                    }
+                    return Some(found);
+                }
+                Err(now) => c = now,
+            }
+        }
     }
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may hold spaces and parens: fields resume after the last ')'.
-    let rest = &s[s.rfind(')')? + 2..];
-    rest.split(' ').nth(19)?.parse().ok()
+
+    /// After recovering a slot taken as [`Claimed::Dead`]: moves it to ALIVE, ours.
+    /// `false` if a recoverer took it over meanwhile (it judged the slot by its lock
+    /// before we locked it); the lock is dropped then, and the caller tries elsewhere.
+    pub(crate) fn finish_claim(&self, i: u64) -> bool {
+        let Some(h) = self.get(i) else { return false };
+        let mut c = h.ctl.load(Ordering::Acquire);
+        loop {
+            let ours = match state_of(c) {
+                CLIENT_RECOVERING => recoverer_of(c) == Some(i),
+                CLIENT_FREE => true, // the other recoverer finished and released it
+                _ => false,
+            };
+            if !ours {
+                self.locks.unlock(i);
+                return false;
+            }
+            match h
+                .ctl
+                .compare_exchange(c, alive_after(c), Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    settle(h);
+                    return true;
+                }
+                Err(now) => c = now,
+            }
+        }
+    }
+
+    /// Records who holds slot `i` (informational: for messages and tools).
+    pub(crate) fn describe(&self, i: u64, pid: u64, now_ns: u64) {
+        if let Some(h) = self.get(i) {
+            h.pid.store(pid, Ordering::Relaxed);
+            h.attached_unix_ns.store(now_ns, Ordering::Relaxed);
+        }
+    }
+
+    /// Returns slot `i` to FREE (its holder detaches, or recovery is done with it). Does
+    /// not touch the lock: a detaching holder then calls [`detach`](Self::detach).
+    pub(crate) fn release(&self, i: u64) {
+        let Some(h) = self.get(i) else { return };
+        // A holder that died inside a step left `started > finished` (and maybe raw
+        // blocks): recovery has owed a sweep for it. Settle so the next holder starts quiet.
+        settle(h);
+        h.pid.store(0, Ordering::Relaxed);
+        let c = h.ctl.load(Ordering::Acquire);
+        if state_of(c) != CLIENT_FREE {
+            let _ = h
+                .ctl
+                .compare_exchange(c, free_after(c), Ordering::AcqRel, Ordering::Relaxed);
+        }
+    }
+
+    /// Our own slot `i`: FREE first, then the lock goes.
+    pub(crate) fn detach(&self, i: u64) {
+        self.release(i);
+        self.locks.unlock(i);
+    }
+
+    /// Takes slot `d` for recovery by us (`me`) if its holder, or the recoverer working on
+    /// it, is dead: one CAS to RECOVERING(me). Returns the new `ctl`.
+    pub(crate) fn claim_for_recovery(&self, d: u64) -> Option<u64> {
+        let me = self.me?;
+        let h = self.get(d)?;
+        if d == me {
+            return None;
+        }
+        let c = h.ctl.load(Ordering::Acquire);
+        let dead = match state_of(c) {
+            CLIENT_ALIVE => !self.holder_alive(d),
+            CLIENT_RECOVERING => {
+                let by = recoverer_of(c)?;
+                // `by == me`: in hand (maybe by another thread of ours).
+                by != me && !self.holder_alive(by)
+            }
+            _ => false,
+        };
+        if !dead {
+            return None;
+        }
+        let next = recovering_by(c, me);
+        h.ctl
+            .compare_exchange(c, next, Ordering::AcqRel, Ordering::Relaxed)
+            .ok()
+            .map(|_| next)
+    }
+
+    /// Slots other than `d` left RECOVERING by `d` (a recoverer that died midway): the
+    /// caller recovering `d` takes them over so that no claim names `d` once it is free.
+    pub(crate) fn take_over_recoveries_of(&self, d: u64) -> Vec<u64> {
+        let Some(me) = self.me else { return vec![] };
+        (0..self.len())
+            .filter(|&x| x != d && x != me)
+            .filter(|&x| {
+                let c = self.ctl(x);
+                state_of(c) == CLIENT_RECOVERING
+                    && recoverer_of(c) == Some(d)
+                    && self.headers[x as usize]
+                        .ctl
+                        .compare_exchange(
+                            c,
+                            recovering_by(c, me),
+                            Ordering::AcqRel,
+                            Ordering::Relaxed,
+                        )
+                        .is_ok()
+            })
+            .collect()
+    }
+
+    /// `(started, finished, raw_blocks)` of slot `i`: the first two are equal when the
+    /// client is outside every ownership-changing step.
+    pub(crate) fn ops(&self, i: u64) -> (u64, u64, u64) {
+        self.get(i).map_or((0, 0, 0), |h| {
+            (
+                h.ops_started.load(Ordering::Acquire),
+                h.ops_finished.load(Ordering::Acquire),
+                h.raw_blocks.load(Ordering::Acquire),
+            )
+        })
+    }
+}
+
+/// Makes `ops_finished` equal `ops_started` and forgets raw blocks (only for a slot nobody
+/// else uses).
+fn settle(h: &ClientHeader) {
+    let started = h.ops_started.load(Ordering::Acquire);
+    h.ops_finished.store(started, Ordering::Release);
+    h.raw_blocks.store(0, Ordering::Release);
+}
+
+/// Starts an ownership-changing step.
+pub(crate) fn begin_op(h: &ClientHeader) {
+    h.ops_started.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Ends it.
+pub(crate) fn end_op(h: &ClientHeader) {
+    h.ops_finished.fetch_add(1, Ordering::Release);
+}
+
+/// Slot locks kept in process memory, for unit tests and loom models: `holders[i]` is the
+/// id (+1) of the attachment holding slot `i`'s lock, 0 if none.
+#[cfg(any(test, loom))]
+pub(crate) mod testing {
+    use super::*;
+
+    pub(crate) struct MemLocks<'a> {
+        pub holders: &'a [AtomicU64],
+        pub id: u64,
+    }
+
+    impl SlotLocks for MemLocks<'_> {
+        fn try_lock(&self, i: u64) -> bool {
+            let h = &self.holders[i as usize];
+            match h.compare_exchange(0, self.id + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => true,
+                Err(v) => v == self.id + 1,
+            }
+        }
+        fn unlock(&self, i: u64) {
+            let _ = self.holders[i as usize].compare_exchange(
+                self.id + 1,
+                0,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
+        fn locked_elsewhere(&self, i: u64) -> bool {
+            let v = self.holders[i as usize].load(Ordering::Acquire);
+            v != 0 && v != self.id + 1
+        }
+    }
 }
 
 #[cfg(all(test, not(loom)))]
 mod tests {
+    use super::testing::MemLocks;
     use super::*;
 
-    #[test]
-    #[cfg_attr(miri, ignore = "reads /proc, which miri's isolation hides")]
-    fn start_time_is_stable_and_known_for_self() {
-        let me = std::process::id();
-        let a = process_start_time(me).unwrap();
-        assert_eq!(process_start_time(me), Some(a));
-        assert_eq!(process_start_time(u32::MAX - 1), None);
-        assert_eq!(process_start_time(0), None);
+    fn slots(n: usize) -> (Vec<ClientHeader>, Vec<AtomicU64>) {
+        (
+            (0..n).map(|_| ClientHeader::default()).collect(),
+            (0..n).map(|_| AtomicU64::new(0)).collect(),
+        )
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "reads /proc, which miri's isolation hides")]
-    fn claims_liveness_and_recovery_takeover() {
-        let header = ClientHeader::default();
-        let c = Client { header: &header };
-        let me = Identity::current();
-        assert_ne!(me.pid_ns, 0);
-        assert_eq!(c.liveness(&me), Liveness::Free);
-        assert!(c.try_claim(&me, 3));
-        assert!(!c.try_claim(&me, 3));
-        assert_eq!(c.liveness(&me), Liveness::Alive);
-        // Another pid namespace: pids mean nothing here, so never judged dead.
-        header.pid_ns.store(me.pid_ns + 1, Ordering::Relaxed);
-        header.start_time.store(1, Ordering::Relaxed);
-        assert_eq!(c.liveness(&me), Liveness::Alive);
-        // Same pid, different start time: a recycled pid is not the holder.
-        header.pid_ns.store(me.pid_ns, Ordering::Relaxed);
-        assert_eq!(c.liveness(&me), Liveness::Dead);
-        let seen = c.ctl();
-        let rec = c.claim_for_recovery(seen, 4).unwrap();
-        assert_eq!(c.claim_for_recovery(seen, 5), None, "one recoverer wins");
+    fn claim_liveness_recovery_and_takeover() {
+        let (h, held) = slots(3);
+        let (a, b, c) = (
+            MemLocks {
+                holders: &held,
+                id: 10,
+            },
+            MemLocks {
+                holders: &held,
+                id: 11,
+            },
+            MemLocks {
+                holders: &held,
+                id: 12,
+            },
+        );
+        let attaching = Clients::new(&h, &a, None);
+        assert_eq!(attaching.try_claim(0, true), Some(Claimed::Fresh));
+        let ca = Clients::new(&h, &a, Some(0));
+        let cb = Clients::new(&h, &b, None);
+        assert_eq!(cb.try_claim(0, true), None, "a live holder's slot");
+        assert_eq!(cb.try_claim(1, true), Some(Claimed::Fresh));
+        let cb = Clients::new(&h, &b, Some(1));
+        assert_eq!(ca.liveness(1), Liveness::Alive);
+        assert_eq!(ca.liveness(0), Liveness::Alive, "our own slot");
+        assert_eq!(ca.liveness(2), Liveness::Free);
+        let g = ca.ctl(1) >> 24;
+        // b dies: its lock goes with it.
+        held[1].store(0, Ordering::Relaxed);
+        assert_eq!(ca.liveness(1), Liveness::Dead);
+        let rec = ca.claim_for_recovery(1).unwrap();
         assert_eq!(
             (state_of(rec), recoverer_of(rec)),
-            (CLIENT_RECOVERING, Some(4))
+            (CLIENT_RECOVERING, Some(0))
         );
-        assert_eq!(c.liveness(&me), Liveness::Recovering);
-        c.release();
-        assert!(!c.is_attached());
-        assert!(c.try_claim(&me, 3));
-        assert_ne!(
-            c.ctl() >> 24,
-            seen >> 24,
-            "a new attachment has a new generation"
+        assert_eq!(ca.claim_for_recovery(1), None, "already in hand");
+        // An attaching process meets the slot under a live recoverer and leaves it.
+        let cc = Clients::new(&h, &c, None);
+        assert_eq!(cc.try_claim(1, true), None);
+        assert_eq!(held[1].load(Ordering::Relaxed), 0, "it gave the lock back");
+        ca.release(1);
+        assert_eq!(ca.liveness(1), Liveness::Free);
+        assert_eq!(cc.try_claim(1, true), Some(Claimed::Fresh));
+        assert_ne!(ca.ctl(1) >> 24, g, "a new attachment has a new generation");
+        assert_eq!(cb.liveness(0), Liveness::Alive);
+    }
+
+    #[test]
+    fn moving_into_a_dead_slot_recovers_it_first_and_a_racing_recoverer_wins_or_loses_cleanly() {
+        let (h, held) = slots(2);
+        let (a, b, c) = (
+            MemLocks {
+                holders: &held,
+                id: 1,
+            },
+            MemLocks {
+                holders: &held,
+                id: 2,
+            },
+            MemLocks {
+                holders: &held,
+                id: 3,
+            },
         );
-        c.begin_op();
-        assert_eq!(c.ops(), (1, 0));
-        c.end_op();
-        assert_eq!(c.ops(), (1, 1));
+        assert_eq!(
+            Clients::new(&h, &a, None).try_claim(0, true),
+            Some(Claimed::Fresh)
+        );
+        assert_eq!(
+            Clients::new(&h, &b, None).try_claim(1, true),
+            Some(Claimed::Fresh)
+        );
+        held[1].store(0, Ordering::Relaxed); // b dies
+                                             // c moves into b's slot: it takes the lock first, so a's recovery keeps off.
+        let cc = Clients::new(&h, &c, None);
+        assert_eq!(cc.try_claim(1, false), None, "free slots first");
+        assert_eq!(
+            held[1].load(Ordering::Relaxed),
+            0,
+            "the lock was given back"
+        );
+        assert_eq!(cc.try_claim(1, true), Some(Claimed::Dead));
+        let ca = Clients::new(&h, &a, Some(0));
+        assert_eq!(ca.liveness(1), Liveness::Recovering);
+        assert_eq!(ca.claim_for_recovery(1), None, "the mover holds the lock");
+        assert!(cc.finish_claim(1));
+        assert_eq!(ca.liveness(1), Liveness::Alive);
+        // Now the other order: a claims for recovery first; the mover backs off.
+        held[1].store(0, Ordering::Relaxed); // c dies
+        assert!(ca.claim_for_recovery(1).is_some());
+        let b2 = MemLocks {
+            holders: &held,
+            id: 4,
+        };
+        assert_eq!(Clients::new(&h, &b2, None).try_claim(1, true), None);
+        assert_eq!(
+            held[1].load(Ordering::Relaxed),
+            0,
+            "the lock was given back"
+        );
+        // A mover that died midway is taken over by the next one.
+        ca.release(1);
+        let d = MemLocks {
+            holders: &held,
+            id: 5,
+        };
+        assert_eq!(
+            Clients::new(&h, &d, None).try_claim(1, true),
+            Some(Claimed::Fresh)
+        );
+        held[1].store(0, Ordering::Relaxed);
+        let e = MemLocks {
+            holders: &held,
+            id: 6,
+        };
+        assert_eq!(
+            Clients::new(&h, &e, None).try_claim(1, true),
+            Some(Claimed::Dead)
+        );
+        held[1].store(0, Ordering::Relaxed); // e dies moving in
+        let f = MemLocks {
+            holders: &held,
+            id: 7,
+        };
+        assert_eq!(
+            Clients::new(&h, &f, None).try_claim(1, true),
+            Some(Claimed::Dead)
+        );
+        assert!(Clients::new(&h, &f, None).finish_claim(1));
+    }
+
+    #[test]
+    fn a_dead_recoverers_claims_are_taken_over_with_it() {
+        let (h, held) = slots(3);
+        let l: Vec<MemLocks> = (0..3).map(|id| MemLocks { holders: &held, id }).collect();
+        for (i, lk) in l.iter().enumerate() {
+            assert_eq!(
+                Clients::new(&h, lk, None).try_claim(i as u64, true),
+                Some(Claimed::Fresh)
+            );
+        }
+        held[2].store(0, Ordering::Relaxed); // 2 dies
+        assert!(Clients::new(&h, &l[1], Some(1))
+            .claim_for_recovery(2)
+            .is_some());
+        held[1].store(0, Ordering::Relaxed); // its recoverer dies too
+        let c0 = Clients::new(&h, &l[0], Some(0));
+        assert!(c0.claim_for_recovery(1).is_some());
+        assert_eq!(c0.take_over_recoveries_of(1), vec![2]);
+        assert_eq!(recoverer_of(c0.ctl(2)), Some(0));
+    }
+
+    #[test]
+    fn ops_counters_and_settling() {
+        let (h, held) = slots(1);
+        let a = MemLocks {
+            holders: &held,
+            id: 0,
+        };
+        let c = Clients::new(&h, &a, None);
+        assert_eq!(c.try_claim(0, true), Some(Claimed::Fresh));
+        begin_op(&h[0]);
+        assert_eq!(c.ops(0), (1, 0, 0));
+        end_op(&h[0]);
+        assert_eq!(c.ops(0), (1, 1, 0));
+        begin_op(&h[0]);
+        h[0].raw_blocks.store(3, Ordering::Relaxed);
+        c.detach(0);
+        assert_eq!(c.ops(0), (2, 2, 0), "settled on release");
+        assert_eq!(held[0].load(Ordering::Relaxed), 0);
     }
 }

@@ -157,6 +157,14 @@ pub enum Error {
         /// The operation refused.
         op: &'static str,
     },
+    /// A handle made by another process (this one's parent, before `fork()`) was used
+    /// for something only its maker may do.
+    Forked {
+        /// The handle: `View` or `Creation`.
+        what: &'static str,
+        /// What happened and what to do instead.
+        detail: String,
+    },
     /// Per-object metadata is larger than the store allows.
     MetadataTooLarge {
         /// Bytes given.
@@ -287,6 +295,7 @@ impl fmt::Display for Error {
                 "{op} refused: this process attached the store read-only (AttachOptions::read_only); \
                  attach read-write to create or delete objects"
             ),
+            Error::Forked { what, detail } => write!(f, "{what} inherited across fork(): {detail}"),
             Error::MetadataTooLarge { len, max } => write!(
                 f,
                 "object metadata is {len} bytes, at most {max} are allowed: put large \

@@ -50,6 +50,8 @@ mod error;
 mod id;
 pub mod item;
 mod layout;
+#[cfg(not(loom))]
+mod liveness;
 #[cfg(all(test, loom))]
 mod loom_models;
 #[cfg(not(loom))]
@@ -80,3 +82,17 @@ pub use store::{
     AttachOptions, Creation, ObjectInfo, ObjectState, Stats, Store, StoreConfig, View,
     CREATOR_CHECK_PERIOD, DEFAULT_GET_SPIN,
 };
+
+/// Tells shmstore that this process was just made by `fork()`, for runtimes that fork
+/// without running `pthread_atfork` handlers (glibc's and musl's `fork()` run them, and
+/// shmstore registers one, so most programs never need this). Call it in the child before
+/// it uses any handle it inherited. Harmless if called needlessly right after a fork.
+///
+/// ```
+/// // In a child, right after a raw clone(2) that skipped the fork handlers:
+/// shmstore::after_fork_in_child();
+/// ```
+#[cfg(not(loom))]
+pub fn after_fork_in_child() {
+    liveness::note_fork();
+}

@@ -46,10 +46,7 @@
 
 use crate::alloc::{blocks_in_slab, Allocator, Block, BlockKind, CLASS_SIZES};
 use crate::capacity::Globals;
-use crate::client::{
-    recoverer_of, state_of, Client, Identity, Liveness, CLIENT_ALIVE, CLIENT_FREE,
-    CLIENT_RECOVERING,
-};
+use crate::client::{state_of, Clients, Liveness, CLIENT_FREE};
 use crate::layout::{CLASSES, PAGE, PAGES_PER_SLAB, SLAB};
 use crate::sync::Ordering;
 use crate::table::{Entry, Reclaimer, Table, CREATING, DELETED, FREE, FREEING, RESERVED};
@@ -92,9 +89,9 @@ pub(crate) struct World<'a> {
     pub table: Table<'a>,
     pub alloc: Allocator<'a>,
     pub globals: &'a Globals,
-    pub clients: Vec<Client<'a>>,
+    /// Every client slot, seen by us (`me`).
+    pub clients: Clients<'a>,
     pub me: u64,
-    pub identity: Identity,
     pub heap_size: u64,
     /// Brackets this process's own ownership-changing steps.
     pub ops: &'a dyn Reclaimer,
@@ -105,13 +102,10 @@ impl World<'_> {
     /// recoverer), then runs the leak sweep if one is owed.
     pub(crate) fn recover_dead(&self) -> RecoveryReport {
         let mut report = RecoveryReport::default();
-        for d in 0..self.clients.len() as u64 {
-            if d == self.me {
-                continue;
-            }
-            if self.claim(d).is_some() {
+        for d in 0..self.clients.len() {
+            if self.clients.claim_for_recovery(d).is_some() {
                 self.recover_client(d, &mut report);
-                self.clients[d as usize].release();
+                self.clients.release(d);
             }
         }
         self.sweep(&mut report);
@@ -123,8 +117,8 @@ impl World<'_> {
     /// number of clients claimed.
     pub(crate) fn recover_dead_interrupted(&self) -> u64 {
         let mut n = 0;
-        for d in 0..self.clients.len() as u64 {
-            if d != self.me && self.claim(d).is_some() {
+        for d in 0..self.clients.len() {
+            if self.clients.claim_for_recovery(d).is_some() {
                 for i in 0..self.table.capacity() as usize {
                     self.table.drop_dead_pins(i, d);
                 }
@@ -134,40 +128,12 @@ impl World<'_> {
         n
     }
 
-    /// Whether client `c` is attached (or moving into a dead client's slot, which it
-    /// holds RECOVERING by itself) and its process runs.
-    fn alive(&self, c: u64) -> bool {
-        self.clients.get(c as usize).is_some_and(|cl| {
-            let ctl = cl.ctl();
-            let holds = state_of(ctl) == CLIENT_ALIVE
-                || (state_of(ctl) == CLIENT_RECOVERING && recoverer_of(ctl) == Some(c));
-            holds && cl.process_alive(&self.identity)
-        })
-    }
-
-    /// Takes client `d`'s slot for recovery if its holder (or its recoverer) is dead.
-    fn claim(&self, d: u64) -> Option<u64> {
-        let c = &self.clients[d as usize];
-        let ctl = c.ctl();
-        match state_of(ctl) {
-            CLIENT_ALIVE if !c.process_alive(&self.identity) => c.claim_for_recovery(ctl, self.me),
-            CLIENT_RECOVERING => {
-                let by = recoverer_of(ctl)?;
-                if by == self.me || self.alive(by) || (by == d && c.process_alive(&self.identity)) {
-                    return None; // in hand (maybe by another thread of ours)
-                }
-                c.claim_for_recovery(ctl, self.me)
-            }
-            _ => None,
-        }
-    }
-
     fn bytes(&self, e: &Entry) -> u64 {
         e.block(self.heap_size).map_or(0, |(b, _)| b.size)
     }
 
-    /// Cleans up the slot this process just inherited from a dead client (we hold it
-    /// RECOVERING by ourselves), before we use it.
+    /// Cleans up the slot this process is moving into (a dead client's, which we hold
+    /// RECOVERING by itself, lock in hand), before we use it.
     pub(crate) fn recover_own_slot(&self, report: &mut RecoveryReport) {
         self.recover_client(self.me, report);
     }
@@ -176,8 +142,20 @@ impl World<'_> {
     /// `report` and in the store-wide stats.
     fn recover_client(&self, d: u64, report: &mut RecoveryReport) {
         let bytes_before = report.bytes_reclaimed;
-        let (started, finished) = self.clients[d as usize].ops();
-        let mut owe = started != finished;
+        // A recoverer that died midway named `d` on the slots it was recovering: finish
+        // them now, so that no claim names `d` once its slot is free (and reused).
+        for x in self.clients.take_over_recoveries_of(d) {
+            self.recover_client(x, report);
+            self.clients.release(x);
+        }
+        // So does a sweep token it held.
+        let g = self.globals;
+        let _ = g
+            .sweeper
+            .compare_exchange(d + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
+        let (started, finished, raw) = self.clients.ops(d);
+        // Died inside an allocator step, or holding raw blocks no entry names: a sweep.
+        let mut owe = started != finished || raw != 0;
         let t = &self.table;
         for i in 0..t.capacity() as usize {
             let k = t.counter_of(i, d);
@@ -217,10 +195,9 @@ impl World<'_> {
             }
         }
         if owe {
-            self.globals.sweeps_owed.fetch_add(1, Ordering::AcqRel);
+            g.sweeps_owed.fetch_add(1, Ordering::AcqRel);
         }
         report.clients_recovered += 1;
-        let g = self.globals;
         g.recovered_clients.fetch_add(1, Ordering::Relaxed);
         g.reclaimed_bytes
             .fetch_add(report.bytes_reclaimed - bytes_before, Ordering::Relaxed);
@@ -237,7 +214,7 @@ impl World<'_> {
         }
         let holder = g.sweeper.load(Ordering::Acquire);
         if let Some(h) = holder.checked_sub(1) {
-            if h == self.me || self.alive(h) {
+            if self.clients.holder_alive(h) {
                 report.sweep_pending = true;
                 return false;
             }
@@ -271,13 +248,11 @@ impl World<'_> {
     /// The sweep proper (we hold the sweeper token). `false`: no quiet moment, try later.
     fn sweep_owned(&self, report: &mut RecoveryReport) -> bool {
         // Dead clients' marks must be settled first.
-        for (d, c) in self.clients.iter().enumerate() {
-            if d as u64 != self.me
-                && matches!(
-                    c.liveness(&self.identity),
-                    Liveness::Dead | Liveness::Recovering
-                )
-            {
+        for d in 0..self.clients.len() {
+            if matches!(
+                self.clients.liveness(d),
+                Liveness::Dead | Liveness::Recovering
+            ) {
                 return false;
             }
         }
@@ -285,22 +260,22 @@ impl World<'_> {
         // when it is released or claimed, and a claim is seen as a `ctl` change below).
         // Our own slot counts too: other threads of this process share it. (So a sweep
         // called from inside one of our own steps finds no quiet moment and stays owed.)
-        let ops = || -> Vec<(u64, u64, u64)> {
-            self.clients
-                .iter()
+        // Raw blocks (`Store::raw_alloc`) are named by no entry: none may be out.
+        let ops = || -> Vec<(u64, (u64, u64, u64))> {
+            (0..self.clients.len())
                 .map(|c| {
-                    let ctl = c.ctl();
-                    let (s, f) = if state_of(ctl) == CLIENT_FREE {
-                        (0, 0)
+                    let ctl = self.clients.ctl(c);
+                    let ops = if state_of(ctl) == CLIENT_FREE {
+                        (0, 0, 0)
                     } else {
-                        c.ops()
+                        self.clients.ops(c)
                     };
-                    (ctl, s, f)
+                    (ctl, ops)
                 })
                 .collect()
         };
         let before = ops();
-        if before.iter().any(|(_, s, f)| s != f) {
+        if before.iter().any(|(_, (s, f, raw))| s != f || *raw != 0) {
             return false;
         }
         // Everything the table names.

@@ -24,6 +24,9 @@
 
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{fence, AtomicU16, AtomicU32, AtomicU64, Ordering};
+/// Process-local pointers only (never in shared memory, where offsets are the rule).
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::AtomicPtr;
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{fence, Ordering};
 

@@ -549,6 +549,13 @@ impl<'a> Table<'a> {
         Ok(())
     }
 
+    /// Pins slot `r` in our column if it is still readable at its generation (a view
+    /// taken over by a forked child). `Ok(false)`: the object is gone.
+    pub(crate) fn repin(&self, r: SlotRef) -> Result<bool> {
+        let i = self.index_checked(r)?;
+        self.try_hold(i, r.gen)
+    }
+
     /// Is `id` present, sealed or being created?
     pub(crate) fn contains_live(&self, id: &ObjectId) -> bool {
         let home = self.home(id);

@@ -1,0 +1,605 @@
+//! One attachment of this process to a store: the validated sections of the mapping, and
+//! the client slot this process holds in it.
+//!
+//! [`Inner`] owns the mapping and the views of its sections (every one bounds- and
+//! alignment-checked once, at attach). The client slot is per *process*, not per
+//! `Inner`: after `fork()` the child shares the parent's `Inner` (the mapping is the same
+//! at the same address), but it must never pin, create or release in the parent's name.
+//! So the slot lives in a [`Binding`] stamped with the fork generation it was made in
+//! ([`crate::liveness`]). [`Inner::binding`] returns the binding of the calling process,
+//! claiming a slot of its own on first use in a forked child; an inherited binding is
+//! never used, released or freed by the child (docs/design.md, "Fork").
+//!
+//! [`Actor`] is "this process, acting through its binding": it builds the table view that
+//! pins in its own column, brackets ownership-changing steps in its own slot, and runs
+//! recovery as its own client.
+
+use crate::alloc::{Allocator, Block, Padded, SlabDesc};
+use crate::capacity::{self, Globals};
+use crate::client::{self, Claimed, ClientHeader, Clients, Liveness, SlotLocks};
+use crate::error::{Error, Result};
+use crate::layout::{
+    Superblock, CLASSES, FLAG_EVICT, FLAG_REMOVE_WHEN_UNUSED, GLOBALS_SIZE, WAIT_BUCKETS,
+};
+use crate::liveness::{self, LockFile};
+use crate::recovery::{RecoveryReport, World, MAINTENANCE_PERIOD};
+use crate::region::Mapping;
+use crate::sync::{AtomicPtr, AtomicU16, AtomicU64, Ordering};
+use crate::table::{Entry, Reclaimer, Sections, Slot, SlotRef, Table, WaitBucket};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::AttachOptions;
+
+/// Types that may be viewed in place over shared memory: every bit pattern is a valid
+/// value (atomics and plain integers only), and all-zero is their empty state.
+///
+/// # Safety
+/// Implementors must be `repr(C)` aggregates of atomics and integers, valid for any bytes.
+unsafe trait SharedPod {}
+// SAFETY: atomics of u64 are valid for every bit pattern.
+unsafe impl SharedPod for AtomicU64 {}
+// SAFETY: atomics of u16 are valid for every bit pattern.
+unsafe impl SharedPod for AtomicU16 {}
+// SAFETY: Padded is repr(C) around an AtomicU64 plus alignment padding.
+unsafe impl SharedPod for Padded<AtomicU64> {}
+// SAFETY: repr(C) of AtomicU64s.
+unsafe impl SharedPod for SlabDesc {}
+// SAFETY: repr(C) of AtomicU64s.
+unsafe impl SharedPod for Slot {}
+// SAFETY: repr(C) of AtomicU32s.
+unsafe impl SharedPod for WaitBucket {}
+// SAFETY: repr(C) of AtomicU64s and plain u64s.
+unsafe impl SharedPod for ClientHeader {}
+// SAFETY: repr(C) of AtomicU64s, plain u64 padding and a WaitBucket.
+unsafe impl SharedPod for Globals {}
+
+/// Views `count` values of `T` at byte offset `off` of the mapping.
+///
+/// # Safety
+/// `base` must point to a mapping of `total` bytes that stays mapped for `'static` as far
+/// as the returned slice's users can tell (the caller ties it to the `Inner` that owns the
+/// mapping and never lets the slice escape it).
+unsafe fn section<T: SharedPod>(
+    base: *mut u8,
+    total: usize,
+    off: u64,
+    count: u64,
+) -> Result<&'static [T]> {
+    let bytes = count.checked_mul(std::mem::size_of::<T>() as u64);
+    let end = bytes.and_then(|b| b.checked_add(off));
+    if end.is_none_or(|e| e > total as u64)
+        || (base as usize).wrapping_add(off as usize) % std::mem::align_of::<T>() != 0
+    {
+        return Err(Error::Corrupted {
+            what: format!("section at {off} ({count} items) does not fit the mapping"),
+        });
+    }
+    // SAFETY: in bounds and aligned (checked above); T is valid for any bytes (SharedPod);
+    // lifetime per this function's contract. All access is through atomics.
+    Ok(unsafe { std::slice::from_raw_parts(base.add(off as usize) as *const T, count as usize) })
+}
+
+/// Slot locks on the store file: slot `i` is held while the first byte of its client
+/// header is locked by the holder's lock descriptor (see [`crate::liveness`]).
+pub(super) struct SlotLockFile {
+    file: LockFile,
+    base: u64,
+    stride: u64,
+}
+
+impl SlotLockFile {
+    fn offset(&self, i: u64) -> u64 {
+        self.base + i * self.stride
+    }
+}
+
+impl SlotLocks for SlotLockFile {
+    fn try_lock(&self, i: u64) -> bool {
+        self.file.try_lock(self.offset(i))
+    }
+    fn unlock(&self, i: u64) {
+        self.file.unlock(self.offset(i))
+    }
+    fn locked_elsewhere(&self, i: u64) -> bool {
+        self.file.locked_elsewhere(self.offset(i))
+    }
+}
+
+/// The client slot this process holds, with the lock that proves it alive.
+pub(super) struct Binding {
+    /// The fork generation it belongs to: usable only where it equals the process's own.
+    pub generation: u64,
+    /// Client slot index.
+    pub index: u16,
+    locks: SlotLockFile,
+}
+
+impl Binding {
+    fn current(&self) -> bool {
+        self.generation == liveness::generation()
+    }
+}
+
+/// The attached store, shared by every handle of this process (and, after a fork, by
+/// the child's inherited handles).
+pub(super) struct Inner {
+    // Field order: the sections borrow from `map`, which must drop last.
+    pages: &'static [AtomicU64],
+    slabs: &'static [SlabDesc],
+    partial: &'static [AtomicU64],
+    hints: &'static [Padded<AtomicU64>],
+    slots: &'static [Slot],
+    buckets: &'static [AtomicU64],
+    waits: &'static [WaitBucket],
+    pins: &'static [AtomicU16],
+    pub(super) globals: &'static Globals,
+    clients: &'static [ClientHeader],
+    /// This process's [`Binding`] (a leaked box; null until bound). Replaced only in a
+    /// forked child, whose old pointer is the parent's and is left alone.
+    binding: AtomicPtr<Binding>,
+    /// Process-local clock for the maintenance schedule.
+    epoch: Instant,
+    /// `epoch`-relative ns before which no scheduled maintenance runs.
+    next_maintenance_ns: AtomicU64,
+    pub(super) get_spin: Duration,
+    pub(super) read_only: bool,
+    heap: *mut u8,
+    pub(super) sb: Superblock,
+    pub(super) map: Mapping,
+}
+
+// SAFETY: `heap` points into the shared mapping owned by `map`; all shared state is accessed
+// through atomics, and payload bytes are written only through a `Creation` (unique writer)
+// and read only after seal (immutable thereafter while pinned). The binding pointer is
+// only ever read (the box it names lives until `Inner` drops).
+unsafe impl Send for Inner {}
+// SAFETY: as above.
+unsafe impl Sync for Inner {}
+
+/// Creates between two looks at the maintenance clock (see [`crate::recovery`]).
+const MAINTENANCE_CHECK: u64 = 256;
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let p = self.binding.load(Ordering::Acquire);
+        if p.is_null() {
+            return;
+        }
+        // SAFETY: a published binding stays allocated until this drop.
+        let b = unsafe { &*p };
+        if !b.current() {
+            // Inherited from the parent, never rebound here: the slot is the parent's,
+            // and so is the box (our copy of its memory is simply left).
+            return;
+        }
+        let remove = self.sb.flags & FLAG_REMOVE_WHEN_UNUSED != 0;
+        let actor = Actor {
+            inner: self,
+            index: b.index,
+            locks: &b.locks,
+        };
+        if remove && !self.read_only {
+            // Dead clients would keep the store "in use" forever: recover them first.
+            actor.recover();
+        }
+        // Every handle holds an Arc<Inner>, so no pins or creations remain: leave the slot.
+        let clients = actor.clients();
+        clients.release(b.index as u64);
+        let others = remove && (0..clients.len()).any(|c| clients.liveness(c) != Liveness::Free);
+        clients.detach(b.index as u64);
+        if remove && !others {
+            self.remove_file();
+        }
+        // SAFETY: the box was leaked by `bind` in this process and is freed only here.
+        drop(unsafe { Box::from_raw(p) });
+    }
+}
+
+impl Inner {
+    /// Maps the sections of a validated superblock and claims a client slot.
+    pub(super) fn attach(map: Mapping, sb: Superblock, opts: &AttachOptions) -> Result<Arc<Inner>> {
+        if opts.read_only {
+            map.protect_read_only(sb.heap_offset, sb.heap_size)?;
+        }
+        let base = map.base();
+        let total = map.len();
+        const _: () = assert!(std::mem::size_of::<Globals>() as u64 == GLOBALS_SIZE);
+        if sb.pin_stride < sb.max_clients
+            || sb.client_stride != std::mem::size_of::<ClientHeader>() as u64
+        {
+            return Err(Error::Corrupted {
+                what: "pin rows narrower than the client count, or a foreign client size".into(),
+            });
+        }
+        // SAFETY: `base`/`total` describe `map`, which `Inner` owns and drops after these
+        // slices (field order); the slices never leave `Inner`.
+        let (globals, pages, slabs, partial, hints, slots, buckets, waits, pins, clients) = unsafe {
+            (
+                &section::<Globals>(base, total, sb.globals_offset, 1)?[0],
+                section(base, total, sb.page_bitmap_offset, sb.pages.div_ceil(64))?,
+                section(base, total, sb.slab_desc_offset, sb.slabs)?,
+                section(base, total, sb.partial_offset, sb.partial_words * CLASSES)?,
+                section(base, total, sb.hints_offset, CLASSES + 1)?,
+                section(base, total, sb.slots_offset, sb.table_slots)?,
+                section(base, total, sb.buckets_offset, sb.table_slots)?,
+                section(base, total, sb.wait_offset, WAIT_BUCKETS)?,
+                section(
+                    base,
+                    total,
+                    sb.pins_offset,
+                    sb.table_slots.saturating_mul(sb.pin_stride),
+                )?,
+                section(base, total, sb.clients_offset, sb.max_clients)?,
+            )
+        };
+        if sb.heap_offset + sb.heap_size > total as u64 {
+            return Err(Error::Corrupted {
+                what: "heap extends past the mapping".into(),
+            });
+        }
+        let inner = Arc::new(Inner {
+            globals,
+            pages,
+            slabs,
+            partial,
+            hints,
+            slots,
+            buckets,
+            waits,
+            pins,
+            clients,
+            binding: AtomicPtr::new(std::ptr::null_mut()),
+            epoch: Instant::now(),
+            next_maintenance_ns: AtomicU64::new(0),
+            get_spin: opts.get_spin,
+            read_only: opts.read_only,
+            // SAFETY: heap_offset + heap_size <= total (checked above).
+            heap: unsafe { base.add(sb.heap_offset as usize) },
+            sb,
+            map,
+        });
+        // On failure `inner` drops here with no binding: the mapping and file close.
+        let actor = inner.actor()?;
+        if opts.recover_on_attach {
+            // Reclaim what dead processes left, now rather than at the first full store.
+            actor.maintain();
+        } else {
+            inner
+                .next_maintenance_ns
+                .store(MAINTENANCE_PERIOD.as_nanos() as u64, Ordering::Relaxed);
+        }
+        Ok(inner)
+    }
+
+    /// This process's binding; claims a client slot on first use in a forked child.
+    pub(super) fn binding(&self) -> Result<&Binding> {
+        let p = self.binding.load(Ordering::Acquire);
+        if !p.is_null() {
+            // SAFETY: a published binding stays allocated until `Inner` drops.
+            let b = unsafe { &*p };
+            if b.current() {
+                return Ok(b);
+            }
+        }
+        self.bind(p)
+    }
+
+    /// Slow path of [`binding`](Self::binding): claims a slot and publishes it in place of
+    /// `seen` (null, or a binding inherited from the parent).
+    #[cold]
+    fn bind(&self, mut seen: *mut Binding) -> Result<&Binding> {
+        let locks = SlotLockFile {
+            file: LockFile::open(self.map.file(), self.map.path())?,
+            base: self.sb.clients_offset,
+            stride: self.sb.client_stride,
+        };
+        let index = self.claim_slot(&locks)?;
+        let mine = Box::into_raw(Box::new(Binding {
+            generation: liveness::generation(),
+            index,
+            locks,
+        }));
+        loop {
+            match self
+                .binding
+                .compare_exchange(seen, mine, Ordering::AcqRel, Ordering::Acquire)
+            {
+                // SAFETY: just published; it lives until `Inner` drops.
+                Ok(_) => return Ok(unsafe { &*mine }),
+                Err(now) => {
+                    // SAFETY: `now` was published, so it is a live binding.
+                    if unsafe { &*now }.current() {
+                        // Another thread of this process bound first: use its slot.
+                        // SAFETY: `mine` was never published; we own it.
+                        let mine = unsafe { Box::from_raw(mine) };
+                        Clients::new(self.clients, &mine.locks, Some(index as u64))
+                            .detach(index as u64);
+                        // SAFETY: as above.
+                        return Ok(unsafe { &*now });
+                    }
+                    seen = now;
+                }
+            }
+        }
+    }
+
+    /// Claims a client slot with `locks`: a free one, or a dead client's, recovered first.
+    fn claim_slot(&self, locks: &SlotLockFile) -> Result<u16> {
+        let clients = Clients::new(self.clients, locks, None);
+        let pid = std::process::id() as u64;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        // Free slots first; then dead clients' slots. A slot may be briefly busy (a
+        // recoverer about to release it): look a few times.
+        for pass in 0..4 {
+            for i in 0..clients.len() {
+                let ok = match clients.try_claim(i, pass > 0) {
+                    Some(Claimed::Fresh) => true,
+                    Some(Claimed::Dead) => {
+                        // Return what the dead client held, as that client, then move in.
+                        let actor = Actor {
+                            inner: self,
+                            index: i as u16,
+                            locks,
+                        };
+                        actor
+                            .world()
+                            .recover_own_slot(&mut RecoveryReport::default());
+                        clients.finish_claim(i)
+                    }
+                    None => false,
+                };
+                if ok {
+                    clients.describe(i, pid, now);
+                    return Ok(i as u16);
+                }
+            }
+            std::thread::yield_now();
+        }
+        Err(Error::TooManyClients {
+            max: self.sb.max_clients as u32,
+        })
+    }
+
+    /// This process acting through its binding.
+    pub(super) fn actor(&self) -> Result<Actor<'_>> {
+        let b = self.binding()?;
+        Ok(Actor {
+            inner: self,
+            index: b.index,
+            locks: &b.locks,
+        })
+    }
+
+    /// The table for lookups only (contains, list, stats): never pins, so it needs no
+    /// client slot (and works in a forked child that has none yet).
+    pub(super) fn lookup_table(&self) -> Table<'_> {
+        Table::new(self.sections(), 0, &NoReclaim)
+    }
+
+    fn sections(&self) -> Sections<'_> {
+        Sections {
+            slots: self.slots,
+            buckets: self.buckets,
+            waits: self.waits,
+            pins: self.pins,
+            stride: self.sb.pin_stride as usize,
+        }
+    }
+
+    pub(super) fn alloc(&self) -> Allocator<'_> {
+        Allocator::new(
+            self.pages,
+            self.sb.pages,
+            self.slabs,
+            self.partial,
+            self.hints,
+        )
+    }
+
+    /// Client headers, for tools and audits (no liveness).
+    pub(super) fn client_headers(&self) -> &[ClientHeader] {
+        self.clients
+    }
+
+    /// Checks an entry read from shared memory and turns it into a block and pointers.
+    pub(super) fn resolve(&self, e: &Entry) -> Result<Resolved> {
+        let (block, meta_pad) = e.block(self.sb.heap_size)?;
+        // SAFETY: offset + size <= heap_size (checked by Entry::block), so both pointers
+        // stay inside the heap.
+        let (meta, data) = unsafe {
+            let m = self.heap.add(e.offset as usize);
+            (m, m.add(meta_pad as usize))
+        };
+        Ok(Resolved { block, meta, data })
+    }
+
+    pub(super) fn evicts(&self) -> bool {
+        self.sb.flags & FLAG_EVICT != 0
+    }
+
+    /// Removes the store's file if it is still the one this mapping was made from.
+    fn remove_file(&self) {
+        if let Some(path) = self.map.path() {
+            if self.map.same_file_as(path) {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+
+    /// Test hook: overwrites metadata bytes (before the heap) of the region. Only for the
+    /// hostile-region fuzz target, which owns the store and runs single-threaded.
+    pub(super) fn scribble_metadata(&self, offset: u64, bytes: &[u8]) {
+        let end = self.sb.heap_offset as usize;
+        let at = (offset as usize) % end;
+        let n = bytes.len().min(end - at);
+        // SAFETY: `at + n <= heap_offset <= mapping length`; no other thread or process
+        // touches this store while the fuzz target runs (a plain write cannot race).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.base().add(at), n) };
+    }
+}
+
+/// A checked block and the pointers into it.
+pub(super) struct Resolved {
+    pub block: Block,
+    pub meta: *mut u8,
+    pub data: *mut u8,
+}
+
+/// The reclaimer of the lookup-only table, which never frees.
+struct NoReclaim;
+
+impl Reclaimer for NoReclaim {
+    fn reclaim(&self, _: &Table<'_>, _: SlotRef, _: Entry) {
+        debug_assert!(false, "the lookup table never frees");
+    }
+}
+
+/// This process acting as client `index` (its binding, or a slot it is moving into).
+pub(super) struct Actor<'a> {
+    pub inner: &'a Inner,
+    pub index: u16,
+    locks: &'a SlotLockFile,
+}
+
+/// Brackets one ownership-changing step of a client (see [`crate::recovery`]).
+pub(super) struct OpGuard<'a>(&'a ClientHeader);
+
+impl Drop for OpGuard<'_> {
+    fn drop(&mut self) {
+        client::end_op(self.0);
+    }
+}
+
+impl Reclaimer for Actor<'_> {
+    fn reclaim(&self, table: &Table<'_>, r: SlotRef, e: Entry) {
+        // Release the slot even if the entry was corrupt: never strand a table slot.
+        if let Ok(res) = self.inner.resolve(&e) {
+            let _ = self.inner.alloc().free(res.block);
+        }
+        table.release(r);
+        self.inner.globals.space.notify();
+    }
+    fn begin_op(&self) {
+        client::begin_op(self.header());
+    }
+    fn end_op(&self) {
+        client::end_op(self.header());
+    }
+}
+
+impl<'a> Actor<'a> {
+    /// The table, pinning in our column.
+    pub(super) fn table(&self) -> Table<'_> {
+        Table::new(self.inner.sections(), self.index, self)
+    }
+
+    /// Every client slot, as we see them.
+    pub(super) fn clients(&self) -> Clients<'a> {
+        Clients::new(self.inner.clients, self.locks, Some(self.index as u64))
+    }
+
+    pub(super) fn header(&self) -> &'a ClientHeader {
+        &self.inner.clients[self.index as usize]
+    }
+
+    /// Starts an ownership-changing step; it ends when the guard drops.
+    pub(super) fn op(&self) -> OpGuard<'a> {
+        let h = self.header();
+        client::begin_op(h);
+        OpGuard(h)
+    }
+
+    /// What recovery works on, as this client.
+    pub(super) fn world(&self) -> World<'_> {
+        World {
+            table: self.table(),
+            alloc: self.inner.alloc(),
+            globals: self.inner.globals,
+            clients: self.clients(),
+            me: self.index as u64,
+            heap_size: self.inner.sb.heap_size,
+            ops: self,
+        }
+    }
+
+    /// Recovers dead clients and runs an owed leak sweep (see [`crate::recovery`]).
+    pub(super) fn recover(&self) -> RecoveryReport {
+        self.world().recover_dead()
+    }
+
+    /// Scheduled maintenance: recovery, at most every [`MAINTENANCE_PERIOD`] per process.
+    pub(super) fn maintain(&self) {
+        let inner = self.inner;
+        let now = inner.epoch.elapsed().as_nanos() as u64;
+        let next = inner.next_maintenance_ns.load(Ordering::Relaxed);
+        if now < next
+            || inner
+                .next_maintenance_ns
+                .compare_exchange(
+                    next,
+                    now + MAINTENANCE_PERIOD.as_nanos() as u64,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_err()
+        {
+            return;
+        }
+        if inner.read_only {
+            return; // a read-only attach cannot free memory; others will
+        }
+        self.recover();
+    }
+
+    /// Whether scheduled maintenance may be due on this create (every
+    /// `MAINTENANCE_CHECK` ownership-changing steps of ours).
+    pub(super) fn maintenance_check(&self) -> bool {
+        self.header().ops_started.load(Ordering::Relaxed) % MAINTENANCE_CHECK == 0
+    }
+
+    /// Allocates `need` bytes; when full, first recovers what dead clients hold, then
+    /// evicts by CLOCK if the store says so.
+    pub(super) fn alloc_block(&self, need: u64) -> Result<Block> {
+        let inner = self.inner;
+        let first = inner.alloc().alloc(need);
+        let first = match first {
+            Err(Error::Full { .. }) if !inner.read_only => {
+                let r = self.recover();
+                if r.bytes_reclaimed > 0 {
+                    inner.alloc().alloc(need)
+                } else {
+                    first
+                }
+            }
+            other => other,
+        };
+        match first {
+            Err(Error::Full { .. }) if inner.evicts() => {
+                capacity::evict_until_fits(inner.globals, &self.table(), &inner.alloc(), need)
+            }
+            other => other,
+        }
+    }
+
+    /// Client `c` of an object's `creator` field (untrusted): its `ctl` and liveness.
+    pub(super) fn creator(&self, c: u16) -> Result<(u64, Liveness, u64)> {
+        let clients = self.clients();
+        let Some(h) = clients.get(c as u64) else {
+            return Err(Error::Corrupted {
+                what: format!(
+                    "creator {c} is not a client slot (the store has {})",
+                    clients.len()
+                ),
+            });
+        };
+        Ok((
+            clients.ctl(c as u64),
+            clients.liveness(c as u64),
+            h.pid.load(Ordering::Relaxed),
+        ))
+    }
+}

@@ -1,0 +1,237 @@
+//! How a store is configured and what it reports: [`StoreConfig`], [`AttachOptions`],
+//! [`Stats`], [`ObjectInfo`]. Plain values, no shared memory.
+
+use crate::capacity::WhenFull;
+use crate::layout::Params;
+use crate::region::HugePages;
+use crate::ObjectId;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// How to create a store.
+///
+/// ```
+/// use shmstore::StoreConfig;
+/// let cfg = StoreConfig { max_objects: 1024, ..StoreConfig::with_capacity(64 << 20) };
+/// assert_eq!(cfg.capacity, 64 << 20);
+/// ```
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// Payload bytes (rounded up to a multiple of 64 KiB). Metadata comes on top.
+    pub capacity: u64,
+    /// Objects the table is sized for; the table has at least twice as many slots.
+    pub max_objects: u64,
+    /// Processes that may be attached at once. Each costs one 16-bit pin counter per
+    /// table slot (up to 32 clients fit one 64-byte row per slot).
+    pub max_clients: u32,
+    /// Directory for named stores.
+    pub dir: PathBuf,
+    /// File mode of a named store.
+    pub mode: u32,
+    /// Populate page tables at attach so first writes run at warm speed.
+    pub prefault: bool,
+    /// Transparent huge pages.
+    pub huge_pages: HugePages,
+    /// How long a blocking get in this process spins before it sleeps on the futex.
+    pub get_spin: Duration,
+    /// Fail or evict when full (a property of the store, the same for every process).
+    pub when_full: WhenFull,
+    /// Remove the store's file when the last attached process detaches (or dies and is
+    /// recovered by a process that then detaches). Off by default: a store normally
+    /// outlives its processes until [`Store::unlink`] or `shmstore rm`.
+    pub remove_when_unused: bool,
+}
+
+/// Default spin before a blocking get sleeps: long enough to catch a producer that is
+/// about to seal, short enough to cost little CPU when it is not.
+pub const DEFAULT_GET_SPIN: Duration = Duration::from_micros(50);
+
+/// How often a get blocked on an unsealed object checks that its creator still runs.
+pub const CREATOR_CHECK_PERIOD: Duration = Duration::from_millis(20);
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            capacity: 256 << 20,
+            max_objects: 1 << 16,
+            max_clients: 32,
+            dir: PathBuf::from("/dev/shm"),
+            mode: 0o600,
+            prefault: true,
+            huge_pages: HugePages::Off,
+            get_spin: DEFAULT_GET_SPIN,
+            when_full: WhenFull::Fail,
+            remove_when_unused: false,
+        }
+    }
+}
+
+impl StoreConfig {
+    /// The defaults with the given payload capacity.
+    ///
+    /// ```
+    /// assert_eq!(shmstore::StoreConfig::with_capacity(1 << 30).capacity, 1 << 30);
+    /// ```
+    pub fn with_capacity(capacity: u64) -> Self {
+        StoreConfig {
+            capacity,
+            ..Default::default()
+        }
+    }
+
+    /// How the creator itself attaches.
+    pub(super) fn attach_options(&self) -> AttachOptions {
+        AttachOptions {
+            prefault: self.prefault,
+            huge_pages: self.huge_pages,
+            get_spin: self.get_spin,
+            read_only: false,
+            recover_on_attach: false, // a new store has no dead clients
+        }
+    }
+
+    pub(super) fn params(&self) -> Params {
+        let slab = crate::layout::SLAB;
+        // Saturating: an absurd `max_objects` becomes a table too large to lay out, which
+        // `Params::check` reports as a configuration error (not an overflow panic).
+        let slots = self
+            .max_objects
+            .max(16)
+            .saturating_mul(2)
+            .checked_next_power_of_two()
+            .unwrap_or(u64::MAX);
+        Params {
+            heap_size: self.capacity.div_ceil(slab).saturating_mul(slab),
+            table_slots: slots,
+            max_clients: self.max_clients as u64,
+        }
+    }
+}
+
+/// How to attach to an existing store.
+///
+/// ```
+/// let opts = shmstore::AttachOptions { prefault: false, ..Default::default() };
+/// assert!(!opts.prefault);
+/// ```
+#[derive(Clone, Debug)]
+pub struct AttachOptions {
+    /// Populate page tables at attach.
+    pub prefault: bool,
+    /// Transparent huge pages.
+    pub huge_pages: HugePages,
+    /// How long a blocking get in this process spins before it sleeps on the futex
+    /// (`Duration::ZERO`: sleep at once).
+    pub get_spin: Duration,
+    /// Attach for reading only: the payload pages are mapped read-only in this process, so
+    /// the kernel faults any write to them; creating and deleting objects is refused.
+    /// Pins still work (they live in the metadata, which stays writable).
+    pub read_only: bool,
+    /// Recover dead clients while attaching (the default). Off, dead clients are left
+    /// until this process's first maintenance or an explicit [`Store::recover`], whose
+    /// report then covers them (what `shmstore recover` does).
+    pub recover_on_attach: bool,
+}
+
+impl Default for AttachOptions {
+    fn default() -> Self {
+        AttachOptions {
+            prefault: true,
+            huge_pages: HugePages::Off,
+            get_spin: DEFAULT_GET_SPIN,
+            read_only: false,
+            recover_on_attach: true,
+        }
+    }
+}
+
+/// A snapshot of a store's occupancy.
+///
+/// ```
+/// use shmstore::{ObjectId, Store, StoreConfig};
+/// let s = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20)).unwrap();
+/// s.put(&ObjectId::of_key("k"), b"v").unwrap();
+/// let st = s.stats();
+/// assert_eq!((st.objects, st.used + st.free), (1, st.capacity));
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Payload capacity in bytes.
+    pub capacity: u64,
+    /// Bytes in allocated blocks.
+    pub used: u64,
+    /// `capacity - used`.
+    pub free: u64,
+    /// The largest block that could be allocated now.
+    pub largest_free: u64,
+    /// Sealed objects.
+    pub objects: u64,
+    /// Objects being written.
+    pub creating: u64,
+    /// Objects (sealed or deleted-but-draining) with at least one pin.
+    pub pinned: u64,
+    /// Total pins held.
+    pub pins: u64,
+    /// Deleted objects whose memory waits for the last pin.
+    pub draining: u64,
+    /// Processes attached and alive.
+    pub clients: u64,
+    /// Client slots still held by processes that have died (their pins and unfinished
+    /// creations are not reclaimed yet; any live process reclaims them within
+    /// moments, or at once with [`Store::recover`]).
+    pub dead_clients: u64,
+    /// Dead clients recovered since the store was created.
+    pub recovered_clients: u64,
+    /// Bytes recovery gave back since the store was created.
+    pub reclaimed_bytes: u64,
+    /// A leak sweep is owed (a client died inside an allocator step) and waits for a
+    /// moment when no live client is allocating.
+    pub sweep_pending: bool,
+    /// Blocks the leak sweep found owned by no one (left by clients killed inside an
+    /// allocator step) and freed, since the store was created.
+    pub leaked_blocks_freed: u64,
+    /// Objects evicted to make room since the store was created.
+    pub evictions: u64,
+    /// Object table slots.
+    pub table_slots: u64,
+    /// Whether transparent huge pages are in effect for this process's mapping.
+    pub huge_pages: bool,
+}
+
+/// Where an object is in its life cycle.
+///
+/// ```
+/// assert_ne!(shmstore::ObjectState::Sealed, shmstore::ObjectState::Creating);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjectState {
+    /// Being written by its creator; not visible to gets.
+    Creating,
+    /// Published and immutable.
+    Sealed,
+    /// Deleted; its memory is freed when the last pin drops.
+    Draining,
+}
+
+/// One object as [`Store::list`] reports it.
+///
+/// ```
+/// # let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+/// # s.put(&shmstore::ObjectId::of_key("a"), b"x")?;
+/// let info = &s.list()[0];
+/// assert_eq!(info.id, shmstore::ObjectId::of_key("a"));
+/// # Ok::<(), shmstore::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectInfo {
+    /// The id.
+    pub id: ObjectId,
+    /// Payload bytes.
+    pub len: u64,
+    /// Metadata bytes.
+    pub meta_len: u16,
+    /// Life-cycle state.
+    pub state: ObjectState,
+    /// Pins held now.
+    pub pins: u64,
+}

@@ -1,0 +1,839 @@
+//! The public store: [`Store`], [`Creation`] (writer handle), [`View`] (pinned reader
+//! handle).
+//!
+//! This module wires the region, the allocator, the table and the client slot together and
+//! owns the rules that span them: a block is allocated before its table entry is inserted
+//! and freed only by the one process that moved its slot to FREEING; every step that
+//! changes who owns a block runs inside the client's `ops` bracket (for the leak sweep);
+//! every value read back from a table slot is range-checked against the heap before it
+//! becomes a pointer; dead clients are recovered on attach, on `Full`, when a get meets a
+//! dead creator, and on a bounded schedule (see [`crate::recovery`]).
+//!
+//! Files: `config` (what a store is made with and reports), `attachment` (the mapped
+//! sections and this process's client slot, fork-aware), `view` and `creation` (the two
+//! handles). Handles hold an `Arc` of the attachment, so they are `'static + Send` and may
+//! outlive the `Store` value they came from.
+//!
+//! # Fork
+//! Every handle works across `fork()`: a child that uses an inherited `Store` attaches as
+//! a client of its own on first use, views it inherited pin again in its name, and
+//! creations it inherited stay the parent's. Nothing the child drops touches the parent's
+//! slot or counters (docs/design.md, "Fork").
+
+mod attachment;
+mod config;
+mod creation;
+mod view;
+
+pub use config::{
+    AttachOptions, ObjectInfo, ObjectState, Stats, StoreConfig, CREATOR_CHECK_PERIOD,
+    DEFAULT_GET_SPIN,
+};
+pub use creation::Creation;
+pub use view::View;
+
+use crate::alloc::Block;
+use crate::capacity::{self, WhenFull};
+use crate::client::{state_of, Liveness, CLIENT_ALIVE, CLIENT_FREE};
+use crate::error::{Error, Result};
+use crate::layout::{Superblock, FLAG_EVICT, FLAG_REMOVE_WHEN_UNUSED, MAX_META};
+use crate::liveness;
+use crate::recovery::RecoveryReport;
+use crate::region::Mapping;
+use crate::sync::Ordering;
+use crate::table::{Entry, Pin, SlotRef, CREATING, DELETED, FREEING, RESERVED};
+use crate::ObjectId;
+use attachment::Inner;
+use std::fmt;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn pad64(x: u64) -> u64 {
+    x.div_ceil(64) * 64
+}
+
+/// Fuzz hook: runs the entry validation on raw slot words.
+pub(crate) fn resolve_untrusted(offset: u64, len: u64, info: u64) {
+    let _ = Entry::from_parts(offset, len, info).block(1 << 30);
+}
+
+/// `start + timeout`, or a far future if that overflows.
+fn deadline_after(start: Instant, timeout: Duration) -> Instant {
+    start
+        .checked_add(timeout)
+        .or_else(|| start.checked_add(Duration::from_secs(1 << 32)))
+        .unwrap_or(start)
+}
+
+/// A handle to an attached store. Cheap to clone; every clone shares one attachment.
+///
+/// ```
+/// use shmstore::{ObjectId, Store, StoreConfig};
+/// use std::time::Duration;
+///
+/// let store = Store::create_anonymous(&StoreConfig::with_capacity(16 << 20))?;
+/// let id = ObjectId::of_content(b"pixels");
+/// store.put(&id, b"pixels")?;
+/// let view = store.get(&id, Duration::from_secs(1))?;
+/// assert_eq!(&*view, b"pixels");
+/// # Ok::<(), shmstore::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store")
+            .field("path", &self.inner.map.path())
+            .field("capacity", &self.inner.sb.heap_size)
+            .field("client", &self.inner.binding().map(|b| b.index).ok())
+            .finish()
+    }
+}
+
+impl Store {
+    /// Creates a named store `dir/name` (default dir `/dev/shm`) and attaches to it.
+    ///
+    /// Fails with [`Error::StoreExists`] if the name is taken and with
+    /// [`Error::InsufficientSpace`] if the file system cannot hold it.
+    ///
+    /// ```
+    /// use shmstore::{Store, StoreConfig};
+    /// let name = format!("doc-create-{}", std::process::id());
+    /// let store = Store::create(&name, &StoreConfig::with_capacity(1 << 20))?;
+    /// assert!(store.path().unwrap().ends_with(&name));
+    /// store.unlink()?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn create(name: &str, cfg: &StoreConfig) -> Result<Store> {
+        let sb = Self::superblock_for(cfg)?;
+        let map =
+            Mapping::create_named(&cfg.dir, name, &sb, cfg.mode, cfg.huge_pages, cfg.prefault)?;
+        Self::attach(map, sb, &cfg.attach_options())
+    }
+
+    /// Creates an anonymous store in a memfd. Share it with [`Store::fd`] (a child opens
+    /// `/proc/<pid>/fd/<fd>` with [`Store::open_path`], or receives the descriptor).
+    ///
+    /// ```
+    /// let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// assert!(store.path().is_none());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn create_anonymous(cfg: &StoreConfig) -> Result<Store> {
+        let sb = Self::superblock_for(cfg)?;
+        let map = Mapping::create_memfd(&sb, cfg.huge_pages, cfg.prefault)?;
+        Self::attach(map, sb, &cfg.attach_options())
+    }
+
+    /// Opens the named store `/dev/shm/name`.
+    ///
+    /// ```no_run
+    /// let store = shmstore::Store::open("vllm-mm-cache")?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn open(name: &str) -> Result<Store> {
+        Self::open_path(Path::new("/dev/shm").join(name))
+    }
+
+    /// Opens a store by path (a named store in any directory, or `/proc/PID/fd/N`).
+    ///
+    /// ```
+    /// use shmstore::{Store, StoreConfig};
+    /// let name = format!("doc-open-{}", std::process::id());
+    /// let a = Store::create(&name, &StoreConfig::with_capacity(1 << 20))?;
+    /// let b = Store::open_path(a.path().unwrap())?;
+    /// assert_eq!(b.stats().capacity, a.stats().capacity);
+    /// a.unlink()?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn open_path(path: impl AsRef<Path>) -> Result<Store> {
+        Self::open_with(path, &AttachOptions::default())
+    }
+
+    /// [`open_path`](Self::open_path) with explicit attach options.
+    ///
+    /// ```no_run
+    /// let opts = shmstore::AttachOptions { prefault: false, ..Default::default() };
+    /// let store = shmstore::Store::open_with("/dev/shm/big", &opts)?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn open_with(path: impl AsRef<Path>, opts: &AttachOptions) -> Result<Store> {
+        let (map, sb) = Mapping::open(path.as_ref(), opts.huge_pages, opts.prefault)?;
+        Self::attach(map, sb, opts)
+    }
+
+    /// Removes the store's name; attached processes keep working, and the memory is
+    /// returned when the last one detaches. No-op for anonymous stores.
+    ///
+    /// ```
+    /// use shmstore::{Store, StoreConfig};
+    /// let s = Store::create(&format!("doc-unlink-{}", std::process::id()), &StoreConfig::with_capacity(1 << 20))?;
+    /// s.unlink()?;
+    /// assert!(!s.path().unwrap().exists());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn unlink(&self) -> Result<()> {
+        match self.inner.map.path() {
+            Some(p) => std::fs::remove_file(p).map_err(|source| Error::Io {
+                op: "unlink",
+                path: p.to_path_buf(),
+                source,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn superblock_for(cfg: &StoreConfig) -> Result<Superblock> {
+        let mut sb = cfg.params().layout()?;
+        if cfg.when_full == WhenFull::Evict {
+            sb.flags |= FLAG_EVICT;
+        }
+        if cfg.remove_when_unused {
+            sb.flags |= FLAG_REMOVE_WHEN_UNUSED;
+        }
+        sb.created_unix_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        sb.checksum = sb.compute_checksum();
+        Ok(sb)
+    }
+
+    fn attach(map: Mapping, sb: Superblock, opts: &AttachOptions) -> Result<Store> {
+        Ok(Store {
+            inner: Inner::attach(map, sb, opts)?,
+        })
+    }
+
+    /// The backing file, if the store is named.
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// assert_eq!(s.path(), None);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn path(&self) -> Option<&Path> {
+        self.inner.map.path()
+    }
+
+    /// The backing file descriptor (to hand an anonymous store to another process).
+    ///
+    /// ```
+    /// use std::os::fd::AsRawFd;
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// let other = shmstore::Store::open_path(format!("/proc/self/fd/{}", s.fd().as_raw_fd()))?;
+    /// assert_eq!(other.stats().clients, 2);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.inner.map.file().as_fd()
+    }
+
+    /// The largest object this store can ever hold.
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// assert_eq!(s.max_object_size(), 1 << 20);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn max_object_size(&self) -> u64 {
+        self.inner.alloc().max_object()
+    }
+
+    /// Starts creating object `id` of `len` bytes. Write through the returned handle, then
+    /// [`Creation::seal`]; dropping it unsealed aborts and frees the memory.
+    ///
+    /// ```
+    /// use shmstore::{Error, ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let id = ObjectId::of_key("frame-0");
+    /// let mut c = store.create_object(&id, 4)?;
+    /// c.copy_from_slice(&[1, 2, 3, 4]);
+    /// assert!(matches!(store.create_object(&id, 4), Err(Error::AlreadyExists { .. })));
+    /// c.seal()?;
+    /// assert!(store.contains(&id));
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn create_object(&self, id: &ObjectId, len: u64) -> Result<Creation> {
+        self.create_object_with_meta(id, len, &[])
+    }
+
+    /// Like [`create_object`](Self::create_object), with a small metadata blob (at most
+    /// 4 KiB, e.g. a dtype/shape header) stored in the same block, readable through
+    /// [`View::meta`].
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let id = ObjectId::of_key("t");
+    /// let mut c = store.create_object_with_meta(&id, 8, b"f32[2]")?;
+    /// c.copy_from_slice(&[0; 8]);
+    /// c.seal()?;
+    /// assert_eq!(store.try_get(&id)?.meta(), b"f32[2]");
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn create_object_with_meta(
+        &self,
+        id: &ObjectId,
+        len: u64,
+        meta: &[u8],
+    ) -> Result<Creation> {
+        if meta.len() as u64 > MAX_META {
+            return Err(Error::MetadataTooLarge {
+                len: meta.len(),
+                max: MAX_META as usize,
+            });
+        }
+        let inner = &self.inner;
+        if inner.read_only {
+            return Err(Error::ReadOnly { op: "create" });
+        }
+        let actor = inner.actor()?;
+        let table = actor.table();
+        // Cheap early answer (the insert below re-checks atomically): an existing id is
+        // AlreadyExists even when the store is full.
+        if table.contains_live(id) {
+            return Err(Error::AlreadyExists { id: *id });
+        }
+        let need = pad64(meta.len() as u64)
+            .checked_add(len)
+            .ok_or(Error::TooLarge {
+                requested: u64::MAX,
+                max: self.max_object_size(),
+            })?;
+        // Every few creates, see whether scheduled recovery is due.
+        if actor.maintenance_check() {
+            actor.maintain();
+        }
+        // From the allocation until the entry names the block, a death here leaves
+        // bits no entry names: the bracket tells recovery to owe a leak sweep.
+        let op = actor.op();
+        let block = actor.alloc_block(need)?;
+        let entry = Entry {
+            offset: block.offset,
+            len,
+            meta_len: meta.len() as u16,
+            kind: block.kind.encode(),
+            creator: actor.index,
+        };
+        let slot = match table.insert(id, &entry) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = inner.alloc().free(block);
+                return Err(e);
+            }
+        };
+        drop(op);
+        let res = match inner.resolve(&entry) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = table.abort(id, slot);
+                return Err(e);
+            }
+        };
+        // SAFETY: the block is ours alone until sealed (fresh allocation, entry CREATING,
+        // unsealed objects cannot be pinned); meta fits before the data (resolve checked).
+        unsafe { std::ptr::copy_nonoverlapping(meta.as_ptr(), res.meta, meta.len()) };
+        Ok(Creation {
+            inner: Arc::clone(&self.inner),
+            id: *id,
+            slot,
+            data: res.data,
+            len: len as usize,
+            done: false,
+            made_in: liveness::generation(),
+        })
+    }
+
+    /// Like [`create_object`](Self::create_object), but when the store is full it waits up
+    /// to `timeout` for space (another process deleting, a pin dropping in an evicting
+    /// store) instead of failing at once. Ends with [`Error::Full`], with the numbers, if
+    /// no space came in time; a request that can never fit fails at once with
+    /// [`Error::TooLarge`].
+    ///
+    /// ```
+    /// use shmstore::{Error, ObjectId, Store, StoreConfig};
+    /// use std::time::Duration;
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// store.put(&ObjectId::of_key("big"), &vec![0; 1 << 20])?;
+    /// let s2 = store.clone();
+    /// let t = std::thread::spawn(move || s2.create_object_wait(&ObjectId::of_key("next"), 1000, Duration::from_secs(10)).map(|c| c.seal()));
+    /// store.delete(&ObjectId::of_key("big"))?; // frees the space; the waiter proceeds
+    /// t.join().unwrap()??;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn create_object_wait(
+        &self,
+        id: &ObjectId,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<Creation> {
+        let deadline = deadline_after(Instant::now(), timeout);
+        capacity::wait_for_space(self.inner.globals, deadline, || self.create_object(id, len))
+    }
+
+    /// Creates, copies and seals in one call.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let bytes = vec![7u8; 10_000];
+    /// let id = ObjectId::of_content(&bytes);
+    /// store.put(&id, &bytes)?;
+    /// assert_eq!(&*store.try_get(&id)?, &bytes[..]);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn put(&self, id: &ObjectId, bytes: &[u8]) -> Result<()> {
+        self.put_with_meta(id, bytes, &[])
+    }
+
+    /// [`put`](Self::put) with per-object metadata.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// store.put_with_meta(&ObjectId::of_key("a"), b"xy", b"u8[2]")?;
+    /// assert_eq!(store.try_get(&ObjectId::of_key("a"))?.meta(), b"u8[2]");
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn put_with_meta(&self, id: &ObjectId, bytes: &[u8], meta: &[u8]) -> Result<()> {
+        let mut c = self.create_object_with_meta(id, bytes.len() as u64, meta)?;
+        c.copy_from_slice(bytes);
+        c.seal()
+    }
+
+    /// Gets a sealed object, waiting up to `timeout` for it to be created and sealed. The
+    /// returned view pins the object until dropped.
+    ///
+    /// ```
+    /// use shmstore::{Error, ObjectId, Store, StoreConfig};
+    /// use std::time::Duration;
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let id = ObjectId::of_key("late");
+    /// assert!(matches!(store.get(&id, Duration::from_millis(5)), Err(Error::Timeout { .. })));
+    /// let s2 = store.clone();
+    /// let t = std::thread::spawn(move || s2.get(&id, Duration::from_secs(10)).map(|v| v.to_vec()));
+    /// store.put(&id, b"ok")?;
+    /// assert_eq!(t.join().unwrap()?, b"ok");
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    ///
+    /// If the process creating the object dies before sealing it, the get fails with
+    /// [`Error::CreatorDied`] within about [`CREATOR_CHECK_PERIOD`] instead of waiting out
+    /// its timeout (and the dead creator's memory is reclaimed on the way).
+    pub fn get(&self, id: &ObjectId, timeout: Duration) -> Result<View> {
+        let start = Instant::now();
+        let deadline = deadline_after(start, timeout);
+        let inner = &self.inner;
+        let actor = inner.actor()?;
+        let table = actor.table();
+        let mut spin = inner.get_spin;
+        // The creator we saw working on the id: (client index, its ctl then, its pid).
+        let mut creator: Option<(u16, u64, u64)> = None;
+        loop {
+            let slice = deadline.min(Instant::now() + CREATOR_CHECK_PERIOD);
+            let found = table.pin_wait(id, Some(slice), spin)?;
+            spin = Duration::ZERO;
+            match found {
+                Pin::Pinned(r, e) => return self.view(id, r, e),
+                Pin::Creating { creator: c, .. } => {
+                    let (ctl, alive, pid) = actor.creator(c)?;
+                    if creator.is_some_and(|was| was.0 == c && was.1 == ctl)
+                        && alive == Liveness::Dead
+                    {
+                        // Still the same attachment, and its process is gone.
+                        actor.recover();
+                        return Err(Error::CreatorDied { id: *id, pid });
+                    }
+                    creator = Some((c, ctl, pid));
+                }
+                Pin::Absent => {
+                    // An abort woke us: if the creator we saw is no longer the same
+                    // attachment, or is dead, it will not come back to seal.
+                    if let Some((c, ctl, pid)) = creator.take() {
+                        let (now, alive, _) = actor.creator(c)?;
+                        if now != ctl || alive != Liveness::Alive {
+                            return Err(Error::CreatorDied { id: *id, pid });
+                        }
+                    }
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    id: *id,
+                    waited: start.elapsed(),
+                });
+            }
+        }
+    }
+
+    /// Gets a sealed object without waiting; [`Error::NotFound`] if it is absent or not
+    /// sealed yet.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// assert!(store.try_get(&ObjectId::of_key("nope")).is_err());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn try_get(&self, id: &ObjectId) -> Result<View> {
+        match self
+            .inner
+            .actor()?
+            .table()
+            .pin_wait(id, None, Duration::ZERO)?
+        {
+            Pin::Pinned(r, e) => self.view(id, r, e),
+            _ => Err(Error::NotFound { id: *id }),
+        }
+    }
+
+    /// Gets several objects, all within one overall `timeout`.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// use std::time::Duration;
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let ids: Vec<_> = (0..3).map(|i| ObjectId::of_key(format!("{i}"))).collect();
+    /// for id in &ids { store.put(id, b"x")?; }
+    /// assert_eq!(store.get_many(&ids, Duration::from_secs(1))?.len(), 3);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn get_many(&self, ids: &[ObjectId], timeout: Duration) -> Result<Vec<View>> {
+        let deadline = deadline_after(Instant::now(), timeout);
+        ids.iter()
+            .map(|id| self.get(id, deadline.saturating_duration_since(Instant::now())))
+            .collect()
+    }
+
+    fn view(&self, id: &ObjectId, r: SlotRef, e: Entry) -> Result<View> {
+        let inner = &self.inner;
+        let res = match inner.resolve(&e) {
+            Ok(res) => res,
+            Err(err) => {
+                let _ = inner.actor()?.table().unpin(r);
+                return Err(err);
+            }
+        };
+        Ok(View {
+            inner: Arc::clone(inner),
+            id: *id,
+            slot: r,
+            meta: res.meta,
+            meta_len: e.meta_len as usize,
+            data: res.data,
+            len: e.len as usize,
+            pinned_in: View::pinned_now(),
+        })
+    }
+
+    /// Is `id` present and sealed?
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// assert!(!store.contains(&ObjectId::of_key("x")));
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn contains(&self, id: &ObjectId) -> bool {
+        self.inner.lookup_table().contains_sealed(id)
+    }
+
+    /// Deletes a sealed object. New gets stop finding it at once; its memory is freed when
+    /// the last view of it drops.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let id = ObjectId::of_key("x");
+    /// store.put(&id, b"abc")?;
+    /// let view = store.try_get(&id)?;
+    /// store.delete(&id)?;
+    /// assert!(!store.contains(&id));
+    /// assert_eq!(&*view, b"abc"); // still readable while pinned
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn delete(&self, id: &ObjectId) -> Result<()> {
+        if self.inner.read_only {
+            return Err(Error::ReadOnly { op: "delete" });
+        }
+        match self.inner.actor()?.table().delete(id)? {
+            // Freed here: say so if the entry could not be (its slot is returned anyway).
+            Some(e) => e.block(self.inner.sb.heap_size).map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
+    /// Occupancy figures (scans the allocator and the table: microseconds to milliseconds).
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// assert_eq!(s.stats().used, 0);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn stats(&self) -> Stats {
+        let u = self.inner.alloc().usage();
+        let mut st = Stats {
+            capacity: u.capacity,
+            used: u.used,
+            free: u.free,
+            largest_free: u.largest_free,
+            table_slots: self.inner.sb.table_slots,
+            evictions: self
+                .inner
+                .globals
+                .evictions
+                .load(crate::sync::Ordering::Relaxed),
+            huge_pages: self.inner.map.huge_pages(),
+            ..Default::default()
+        };
+        let table = self.inner.lookup_table();
+        table.scan(|i, c, _, _| {
+            match c.state() {
+                _ if c.sealed() => st.objects += 1,
+                CREATING => st.creating += 1,
+                DELETED => st.draining += 1,
+                _ => {}
+            }
+            let pins = table.pins_of(i);
+            if pins > 0 && (c.sealed() || c.state() == DELETED) {
+                st.pinned += 1;
+                st.pins += pins;
+            }
+        });
+        let inner = &self.inner;
+        match inner.actor() {
+            Ok(actor) => {
+                let clients = actor.clients();
+                for c in 0..clients.len() {
+                    match clients.liveness(c) {
+                        Liveness::Alive => st.clients += 1,
+                        Liveness::Dead | Liveness::Recovering => st.dead_clients += 1,
+                        Liveness::Free => {}
+                    }
+                }
+            }
+            // No slot for this process (a forked child, every slot taken): count what
+            // the slots say, without judging who is dead.
+            Err(_) => {
+                st.clients = inner
+                    .client_headers()
+                    .iter()
+                    .filter(|h| state_of(h.ctl.load(Ordering::Relaxed)) == CLIENT_ALIVE)
+                    .count() as u64;
+            }
+        }
+        let g = inner.globals;
+        st.recovered_clients = g.recovered_clients.load(Ordering::Relaxed);
+        st.reclaimed_bytes = g.reclaimed_bytes.load(Ordering::Relaxed);
+        st.sweep_pending = g.sweeps_owed.load(Ordering::Relaxed) != 0;
+        st.leaked_blocks_freed = g.leaked_blocks_freed.load(Ordering::Relaxed);
+        st
+    }
+
+    /// Recovers every client whose process died: drops its pins, aborts its unsealed
+    /// objects (their getters fail with [`Error::CreatorDied`]), returns table slots it
+    /// was part-way through changing, and runs the leak sweep if one is owed. Live
+    /// processes do this by themselves when they meet a dead client's state and on a
+    /// bounded schedule; call it to do it now (`shmstore recover NAME` does).
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// let r = s.recover()?;
+    /// assert_eq!((r.clients_recovered, r.bytes_reclaimed, r.sweep_pending), (0, 0, false));
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn recover(&self) -> Result<RecoveryReport> {
+        if self.inner.read_only {
+            return Err(Error::ReadOnly { op: "recover" });
+        }
+        let actor = self.inner.actor()?;
+        let world = actor.world();
+        let mut report = world.recover_dead();
+        // The sweep needs a moment when no attached process is inside an allocator step.
+        // No event marks such a moment (steps end without a wake-up), so back off briefly
+        // and look again, ~0.1 s at most; if none comes it stays owed for the schedule.
+        for _ in 0..50 {
+            if !report.sweep_pending {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+            report.sweep_pending = false;
+            world.sweep(&mut report);
+        }
+        Ok(report)
+    }
+
+    /// Every object in the table with its state, size and pins (a scan; for tools).
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, ObjectState, Store, StoreConfig};
+    /// let s = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// s.put(&ObjectId::of_key("a"), b"abc")?;
+    /// let list = s.list();
+    /// assert_eq!((list[0].len, list[0].state, list[0].pins), (3, ObjectState::Sealed, 0));
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn list(&self) -> Vec<ObjectInfo> {
+        let mut out = Vec::new();
+        let table = self.inner.lookup_table();
+        table.scan(|i, c, id, e| {
+            let state = match c.state() {
+                CREATING => ObjectState::Creating,
+                _ if c.sealed() => ObjectState::Sealed,
+                DELETED => ObjectState::Draining,
+                _ => return,
+            };
+            out.push(ObjectInfo {
+                id,
+                len: e.len,
+                meta_len: e.meta_len,
+                state,
+                pins: table.pins_of(i),
+            });
+        });
+        out
+    }
+
+    /// Checks every internal invariant: allocator bitmaps agree with their counts, every
+    /// table entry describes an allocated block inside the heap, no two blocks overlap, and
+    /// `used` equals the sum of the live blocks. Expensive (a full scan); meant for tests
+    /// and diagnostics when nothing else is running.
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// s.put(&shmstore::ObjectId::of_key("a"), &[1; 100])?;
+    /// s.check_invariants()?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn check_invariants(&self) -> Result<()> {
+        let inner = &self.inner;
+        inner.alloc().audit()?;
+        let mut blocks = Vec::new();
+        let mut err = None;
+        let table = inner.lookup_table();
+        table.scan(|i, c, _, e| {
+            if c.state() == RESERVED || err.is_some() {
+                return;
+            }
+            match inner.resolve(&e) {
+                Ok(r) => blocks.push((r.block.offset, r.block.size, i)),
+                Err(e) => err = Some(e),
+            }
+        });
+        if let Some(e) = err {
+            return Err(e);
+        }
+        blocks.sort_unstable();
+        for w in blocks.windows(2) {
+            if w[0].0 + w[0].1 > w[1].0 {
+                return Err(Error::Corrupted {
+                    what: format!("blocks of slots {} and {} overlap", w[0].2, w[1].2),
+                });
+            }
+        }
+        // Everything a client marks must belong to an attached client: pin counters,
+        // creators of unsealed objects, owners of half-changed slots.
+        let attached: Vec<bool> = inner
+            .client_headers()
+            .iter()
+            .map(|h| state_of(h.ctl.load(Ordering::Acquire)) != CLIENT_FREE)
+            .collect();
+        for i in 0..table.capacity() as usize {
+            for (c, &on) in attached.iter().enumerate() {
+                if !on && table.counter_of(i, c as u64) != 0 {
+                    return Err(Error::Corrupted {
+                        what: format!("slot {i} is pinned by detached client {c}"),
+                    });
+                }
+            }
+        }
+        let mut bad = None;
+        table.scan(|i, c, _, e| {
+            let marker = match c.state() {
+                CREATING => Some(e.creator as u64),
+                RESERVED | FREEING => c.owner(),
+                _ => None,
+            };
+            if let Some(m) = marker {
+                if !attached.get(m as usize).copied().unwrap_or(false) {
+                    bad = Some(format!("slot {i} ({c:?}) belongs to detached client {m}"));
+                }
+            }
+        });
+        if let Some(what) = bad {
+            return Err(Error::Corrupted { what });
+        }
+        let sum: u64 = blocks.iter().map(|b| b.1).sum();
+        let used = inner.alloc().usage().used;
+        if sum != used {
+            return Err(Error::Corrupted {
+                what: format!("allocator says {used} bytes used, table entries own {sum}"),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// An allocator block handed out by [`Store::raw_alloc`]; benchmarks only.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct RawBlock(Block);
+
+impl Store {
+    /// Test hook for the hostile-region fuzz target; see [`crate::testing`].
+    pub(crate) fn scribble_metadata(&self, offset: u64, bytes: &[u8]) {
+        self.inner.scribble_metadata(offset, bytes)
+    }
+
+    /// Test hook: starts an ownership-changing step and allocates a block that no entry
+    /// will ever name, as a process killed inside `create_object` leaves.
+    pub(crate) fn leak_inside_allocator_step(&self, size: u64) -> Result<()> {
+        let actor = self.inner.actor()?;
+        std::mem::forget(actor.op()); // the step never ends
+        self.inner.alloc().alloc(size).map(|_| ())
+    }
+
+    /// Test hook: a recovery that stops halfway (see `testing::interrupted_recovery`).
+    pub(crate) fn recover_interrupted(&self) -> Result<u64> {
+        Ok(self.inner.actor()?.world().recover_dead_interrupted())
+    }
+
+    /// Allocates a raw block with no table entry. For the allocator benchmark only: the
+    /// block is not attributed to any object (the leak sweep waits while any is out);
+    /// free it with [`Store::raw_free`].
+    #[doc(hidden)]
+    pub fn raw_alloc(&self, size: u64) -> Result<RawBlock> {
+        if self.inner.read_only {
+            return Err(Error::ReadOnly { op: "raw_alloc" });
+        }
+        let actor = self.inner.actor()?;
+        // Counted before the allocation, inside the step: at no moment is the block out
+        // while a sweep could think this client quiet and without raw blocks.
+        let _op = actor.op();
+        let raw = &actor.header().raw_blocks;
+        raw.fetch_add(1, Ordering::AcqRel);
+        self.inner
+            .alloc()
+            .alloc(size)
+            .map(RawBlock)
+            .inspect_err(|_| {
+                raw.fetch_sub(1, Ordering::AcqRel);
+            })
+    }
+
+    /// Frees a block from [`Store::raw_alloc`].
+    #[doc(hidden)]
+    pub fn raw_free(&self, block: RawBlock) -> Result<()> {
+        let actor = self.inner.actor()?;
+        let _op = actor.op();
+        self.inner.alloc().free(block.0)?;
+        actor.header().raw_blocks.fetch_sub(1, Ordering::AcqRel);
+        Ok(())
+    }
+}
