@@ -776,6 +776,39 @@ impl<'a> Allocator<'a> {
         self.free_pages(first, n)
     }
 
+    /// Clears the block bitmap of 64 KiB unit `s` if it is not a slab (state 0) but has
+    /// bits set: left by a process killed inside new-slab setup, after the sweep freed
+    /// the unit's pages. Takes the unit's pages first, as a new slab would, so that no
+    /// setup in progress can be disturbed; skips the unit if they are taken.
+    pub(crate) fn scrub_unit(&self, s: usize) -> bool {
+        let Some(d) = self.slabs.get(s) else {
+            return false;
+        };
+        let first = s as u64 * PAGES_PER_SLAB;
+        if d.state.load(Ordering::Acquire) != 0 || self.claim_run(first, PAGES_PER_SLAB).is_err() {
+            return false;
+        }
+        let mut scrubbed = false;
+        if d.state.load(Ordering::Acquire) == 0 {
+            for w in &d.bits {
+                scrubbed |= w.swap(0, Ordering::AcqRel) != 0;
+            }
+        }
+        self.release_range(first, first + PAGES_PER_SLAB);
+        self.lower_hint(first);
+        scrubbed
+    }
+
+    /// Test hook: what a process killed inside new-slab setup leaves (pages claimed, bit 0
+    /// set, state never published). Returns whether it found pages for a slab.
+    pub(crate) fn begin_slab_setup_only(&self) -> bool {
+        let Some(first) = self.alloc_pages(PAGES_PER_SLAB, PAGES_PER_SLAB) else {
+            return false;
+        };
+        self.slabs[(first / PAGES_PER_SLAB) as usize].bits[0].store(1, Ordering::Relaxed);
+        true
+    }
+
     /// Drops `k` reservations of slab `s` that no block bit stands for (a claimer died
     /// between reserving and setting its bit); the slab may retire.
     pub(crate) fn drop_leaked_reservations(&self, s: usize, class: usize, k: u64) {

@@ -31,7 +31,7 @@ use std::path::Path;
 /// Magic bytes at offset 0.
 pub(crate) const MAGIC: [u8; 8] = *b"SHMSTORE";
 /// Layout version; bump on any incompatible change.
-pub(crate) const LAYOUT_VERSION: u32 = 2;
+pub(crate) const LAYOUT_VERSION: u32 = 3;
 /// Heap page size: large objects are page-aligned runs of these.
 pub(crate) const PAGE: u64 = 4096;
 /// Slab unit: small objects live in 64 KiB slabs aligned to 64 KiB.

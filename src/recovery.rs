@@ -361,6 +361,13 @@ impl World<'_> {
                 report.bytes_reclaimed += (p - first) * PAGE;
             }
         }
+        // A unit that is no slab but has block bits set: a setup killed midway (its pages
+        // were freed just above). Clear them so the bitmap says what the state says.
+        for (s, (st, bits)) in snap.slabs.iter().enumerate() {
+            if *st == 0 && bits.iter().any(|&b| b != 0) {
+                self.alloc.scrub_unit(s);
+            }
+        }
         self.ops.end_op();
         true
     }

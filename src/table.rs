@@ -868,7 +868,10 @@ impl<'a> Table<'a> {
         }
         let wb = self.wait_bucket(id);
         if !spin.is_zero() {
-            let spin_end = deadline.min(Instant::now() + spin);
+            // Checked: a huge `spin` (a user setting) just means "spin until the deadline".
+            let spin_end = Instant::now()
+                .checked_add(spin)
+                .map_or(deadline, |end| deadline.min(end));
             loop {
                 let seq = wb.seq.load(Ordering::Acquire);
                 if let p @ Pin::Pinned(..) = self.pin(id)? {
@@ -951,6 +954,19 @@ impl<'a> Table<'a> {
             }
             f(i, c, ObjectId::from_words(self.id_words(i)), self.entry(i));
         }
+    }
+
+    /// Test hook: overwrites the `creator` of `id`'s live entry.
+    pub(crate) fn set_creator(&self, id: &ObjectId, creator: u16) -> Result<()> {
+        let home = self.home(id);
+        let b = self.buckets[home as usize].load(Ordering::Acquire);
+        let (i, _) = self
+            .find_in(home, b, &id.words())
+            .ok_or(Error::NotFound { id: *id })?;
+        let mut e = self.entry(i);
+        e.creator = creator;
+        self.slots[i].info.store(e.info(), Ordering::Relaxed);
+        Ok(())
     }
 
     // ----- recovery of a dead client (see crate::recovery) -------------------------------

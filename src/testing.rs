@@ -537,3 +537,28 @@ pub fn fuzz_item_header(data: &[u8]) {
 pub fn leak_inside_allocator_step(store: &Store, size: u64) -> crate::Result<()> {
     store.leak_inside_allocator_step(size)
 }
+
+/// Takes the leak sweep's token and owes a sweep, as a sweeper killed midway leaves. For
+/// the test that recovering the dead sweeper frees the token (call it in a process that
+/// is then killed).
+pub fn hold_sweep_token(store: &Store) -> crate::Result<()> {
+    store.hold_sweep_token()
+}
+
+/// Claims a client slot of the store at `path` and stops: what a process killed right
+/// after its claim leaves. With `take_dead`, claims a dead client's slot (moving in)
+/// instead of a free one. Returns the slot; the process must then be killed.
+pub fn claim_slot_and_stop(path: &std::path::Path, take_dead: bool) -> crate::Result<u64> {
+    Store::claim_slot_and_stop(path, take_dead)
+}
+
+/// Starts a new slab and stops before publishing it, as a process killed inside new-slab
+/// setup leaves (call it in a process that is then killed).
+pub fn die_in_slab_setup(store: &Store) -> crate::Result<()> {
+    store.die_in_slab_setup()
+}
+
+/// Overwrites the `creator` field of `id`'s table entry, as a buggy process could.
+pub fn corrupt_creator(store: &Store, id: &ObjectId, creator: u16) -> crate::Result<()> {
+    store.corrupt_creator(id, creator)
+}

@@ -25,6 +25,17 @@ fn kill(mut p: Proc) {
 #[ignore = "child process entry point, started by the other tests"]
 fn child_entry() {
     let (role, args) = child_role().expect("child_entry runs only as a child process");
+    // Roles that die in the middle of attaching: they must not attach first.
+    if let Some(take_dead) = match role.as_str() {
+        "claim-free-and-stall" => Some(false),
+        "move-into-dead-and-stall" => Some(true),
+        _ => None,
+    } {
+        let slot = shmstore::testing::claim_slot_and_stop(Path::new(&args[0]), take_dead).unwrap();
+        say(format!("claimed {slot}"));
+        let _ = hear();
+        return;
+    }
     let opts = shmstore::AttachOptions {
         recover_on_attach: false,
         ..Default::default()
@@ -61,6 +72,27 @@ fn child_entry() {
             let size: u64 = args[1].parse().unwrap();
             shmstore::testing::leak_inside_allocator_step(&store, size).unwrap();
             say("leaked");
+            let _ = hear();
+        }
+        // Take the leak sweep's token (owing a sweep) and wait to die.
+        "hold-sweep-token" => {
+            shmstore::testing::hold_sweep_token(&store).unwrap();
+            say("holding token");
+            let _ = hear();
+        }
+        // Die inside new-slab setup.
+        "die-in-slab-setup" => {
+            shmstore::testing::die_in_slab_setup(&store).unwrap();
+            say("setting up");
+            let _ = hear();
+        }
+        // Hold a raw block (no table entry) until told, then free it.
+        "raw-and-hold" => {
+            let b = store.raw_alloc(64 << 10).unwrap();
+            say("holding raw");
+            let _ = hear();
+            store.raw_free(b).unwrap();
+            say("freed raw");
             let _ = hear();
         }
         // Attach and exit cleanly when told.
@@ -338,4 +370,151 @@ fn a_sweep_never_frees_what_another_thread_of_the_sweeper_is_allocating() {
     assert_eq!(st.leaked_blocks_freed, 5, "{st:?}");
     assert_eq!((st.used, st.objects), (0, 0), "{st:?}");
     store.check_invariants().unwrap();
+}
+
+fn two_client_store(tag: &str) -> (Store, Cleanup) {
+    let cfg = StoreConfig {
+        max_clients: 2,
+        ..StoreConfig::with_capacity(4 << 20)
+    };
+    new_store(tag, cfg)
+}
+
+#[test]
+fn a_sweep_token_left_by_a_killed_sweeper_is_freed_even_when_its_slot_is_reused_first() {
+    let (store, c) = two_client_store("stale-token");
+    let mut a = child("hold-sweep-token", &store, &[]);
+    assert_eq!(a.recv(), "holding token");
+    kill(a);
+    // A new process moves into the dead sweeper's slot (the only one): the token named
+    // that slot, which is alive again, but it must not count as the sweeper.
+    let mut b = child("attach", &store, &[]);
+    assert_eq!(b.recv(), "attached");
+    let r = store.recover().unwrap();
+    assert!(!r.sweep_pending, "the owed sweep must run: {r:?}");
+    assert!(!store.stats().sweep_pending);
+    b.send("bye");
+    b.finish();
+    drop(Store::open_path(&c.0).unwrap());
+}
+
+#[test]
+fn a_process_killed_right_after_claiming_a_slot_costs_nobody_the_slot() {
+    let (store, c) = two_client_store("claim-window");
+    let mut p = child("claim-free-and-stall", &store, &[]);
+    assert_eq!(p.recv(), "claimed 1");
+    kill(p);
+    // The slot reads "taken" but its holder is gone: a new process gets it.
+    let again = Store::open_path(&c.0).expect("the dead claimer's slot is free again");
+    assert_eq!(again.stats().clients, 2);
+}
+
+#[test]
+fn a_process_killed_while_moving_into_a_dead_slot_blocks_neither_the_slot_nor_the_sweep() {
+    let (store, c) = two_client_store("move-window");
+    // A client dies inside an allocator step (a sweep is owed for it) ...
+    let mut d = child("leak-and-stall", &store, &["20000".to_string()]);
+    assert_eq!(d.recv(), "leaked");
+    kill(d);
+    // ... and a process moving into its slot dies halfway through.
+    let mut m = child("move-into-dead-and-stall", &store, &[]);
+    assert_eq!(m.recv(), "claimed 1");
+    kill(m);
+    let st = store.stats();
+    assert_eq!(
+        st.dead_clients, 1,
+        "the slot is being recovered by a dead mover: {st:?}"
+    );
+    let r = store.recover().unwrap();
+    assert_eq!(
+        (r.clients_recovered, r.leaked_blocks_freed),
+        (1, 1),
+        "{r:?}"
+    );
+    assert!(!r.sweep_pending, "{r:?}");
+    let st = store.stats();
+    assert_eq!((st.used, st.dead_clients), (0, 0), "{st:?}");
+    let again = Store::open_path(&c.0).expect("the slot is free again");
+    again.check_invariants().unwrap();
+}
+
+#[test]
+fn the_leak_sweep_never_frees_a_raw_block() {
+    let (store, _c) = new_store("raw-sweep", StoreConfig::with_capacity(4 << 20));
+    let mut raw = child("raw-and-hold", &store, &[]);
+    assert_eq!(raw.recv(), "holding raw");
+    let mut l = child("leak-and-stall", &store, &["3000".to_string()]);
+    assert_eq!(l.recv(), "leaked");
+    kill(l);
+    // The raw block is named by no entry, like the leak: the sweep must wait for it.
+    let r = store.recover().unwrap();
+    assert_eq!((r.leaked_blocks_freed, r.sweep_pending), (0, true), "{r:?}");
+    raw.send("free");
+    assert_eq!(raw.recv(), "freed raw");
+    let r = store.recover().unwrap();
+    assert_eq!(
+        (r.leaked_blocks_freed, r.sweep_pending),
+        (1, false),
+        "{r:?}"
+    );
+    raw.send("bye");
+    raw.finish();
+    assert_eq!(store.stats().used, 0);
+    store.check_invariants().unwrap();
+}
+
+#[test]
+fn a_process_killed_inside_new_slab_setup_leaves_a_consistent_allocator() {
+    let (store, _c) = new_store("slab-setup", StoreConfig::with_capacity(4 << 20));
+    let mut p = child("die-in-slab-setup", &store, &[]);
+    assert_eq!(p.recv(), "setting up");
+    kill(p);
+    let r = store.recover().unwrap();
+    assert_eq!(
+        (r.leaked_blocks_freed, r.sweep_pending),
+        (1, false),
+        "{r:?}"
+    );
+    store.check_invariants().unwrap();
+    let st = store.stats();
+    assert_eq!((st.used, st.largest_free), (0, st.capacity), "{st:?}");
+}
+
+#[test]
+fn a_creator_index_out_of_range_is_reported_not_followed() {
+    let (store, _c) = new_store("bad-creator", StoreConfig::with_capacity(1 << 20));
+    let id = ObjectId::of_key("x");
+    let _c = store.create_object(&id, 10).unwrap();
+    shmstore::testing::corrupt_creator(&store, &id, 4000).unwrap();
+    let t = Instant::now();
+    match store.get(&id, Duration::from_secs(2)) {
+        Err(Error::Corrupted { what }) => assert!(what.contains("4000"), "{what}"),
+        other => panic!("expected Corrupted, got {other:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(1));
+}
+
+#[test]
+fn failed_attaches_leave_no_descriptor_or_mapping_behind() {
+    let cfg = StoreConfig {
+        max_clients: 1,
+        ..StoreConfig::with_capacity(1 << 20)
+    };
+    let (store, c) = new_store("fd-hygiene", cfg);
+    let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let maps = || {
+        std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .lines()
+            .count()
+    };
+    let (f0, m0) = (fds(), maps());
+    for _ in 0..200 {
+        assert!(matches!(
+            Store::open_path(&c.0),
+            Err(Error::TooManyClients { max: 1 })
+        ));
+    }
+    assert_eq!((fds(), maps()), (f0, m0));
+    drop(store);
 }

@@ -199,6 +199,22 @@ impl Drop for Inner {
 impl Inner {
     /// Maps the sections of a validated superblock and claims a client slot.
     pub(super) fn attach(map: Mapping, sb: Superblock, opts: &AttachOptions) -> Result<Arc<Inner>> {
+        let inner = Self::map_sections(map, sb, opts)?;
+        // On failure `inner` drops here with no binding: the mapping and file close.
+        let actor = inner.actor()?;
+        if opts.recover_on_attach {
+            // Reclaim what dead processes left, now rather than at the first full store.
+            actor.maintain();
+        } else {
+            inner
+                .next_maintenance_ns
+                .store(MAINTENANCE_PERIOD.as_nanos() as u64, Ordering::Relaxed);
+        }
+        Ok(inner)
+    }
+
+    /// Checks and maps every section; no client slot yet.
+    fn map_sections(map: Mapping, sb: Superblock, opts: &AttachOptions) -> Result<Arc<Inner>> {
         if opts.read_only {
             map.protect_read_only(sb.heap_offset, sb.heap_size)?;
         }
@@ -259,17 +275,29 @@ impl Inner {
             sb,
             map,
         });
-        // On failure `inner` drops here with no binding: the mapping and file close.
-        let actor = inner.actor()?;
-        if opts.recover_on_attach {
-            // Reclaim what dead processes left, now rather than at the first full store.
-            actor.maintain();
-        } else {
-            inner
-                .next_maintenance_ns
-                .store(MAINTENANCE_PERIOD.as_nanos() as u64, Ordering::Relaxed);
-        }
         Ok(inner)
+    }
+
+    /// Test hook: what a process killed right after claiming a client slot leaves (the
+    /// slot taken, nothing else done; a dead client's slot only if `take_dead`). The lock
+    /// descriptor and the mapping stay open until the process dies. Returns the slot.
+    pub(super) fn claim_and_stop(map: Mapping, sb: Superblock, take_dead: bool) -> Result<u64> {
+        let inner = Self::map_sections(map, sb, &AttachOptions::default())?;
+        let locks = SlotLockFile {
+            file: LockFile::open(inner.map.file(), inner.map.path())?,
+            base: inner.sb.clients_offset,
+            stride: inner.sb.client_stride,
+        };
+        let clients = Clients::new(inner.clients, &locks, None);
+        let claimed = (0..clients.len()).find(|&i| match clients.try_claim(i, take_dead) {
+            Some(Claimed::Dead) => true,
+            Some(Claimed::Fresh) => !take_dead,
+            None => false,
+        });
+        std::mem::forget((locks, inner));
+        claimed.ok_or(Error::TooManyClients {
+            max: sb.max_clients as u32,
+        })
     }
 
     /// This process's binding; claims a client slot on first use in a forked child.

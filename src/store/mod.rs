@@ -188,6 +188,12 @@ impl Store {
         }
     }
 
+    /// Test hook (see `testing::claim_slot_and_stop`).
+    pub(crate) fn claim_slot_and_stop(path: &Path, take_dead: bool) -> Result<u64> {
+        let (map, sb) = Mapping::open(path, Default::default(), false)?;
+        Inner::claim_and_stop(map, sb, take_dead)
+    }
+
     fn superblock_for(cfg: &StoreConfig) -> Result<Superblock> {
         let mut sb = cfg.params().layout()?;
         if cfg.when_full == WhenFull::Evict {
@@ -797,6 +803,38 @@ impl Store {
         let actor = self.inner.actor()?;
         std::mem::forget(actor.op()); // the step never ends
         self.inner.alloc().alloc(size).map(|_| ())
+    }
+
+    /// Test hook: takes the leak sweep's token and owes a sweep, as a sweeper killed
+    /// midway leaves (call it in a process that is then killed).
+    pub(crate) fn hold_sweep_token(&self) -> Result<()> {
+        let actor = self.inner.actor()?;
+        let g = self.inner.globals;
+        g.sweeps_owed.fetch_add(1, Ordering::AcqRel);
+        g.sweeper.store(actor.index as u64 + 1, Ordering::Release);
+        Ok(())
+    }
+
+    /// Test hook: claims a slab's pages and starts setting it up, but never publishes it,
+    /// as a process killed inside new-slab setup leaves.
+    pub(crate) fn die_in_slab_setup(&self) -> Result<()> {
+        let actor = self.inner.actor()?;
+        std::mem::forget(actor.op()); // the step never ends
+        if self.inner.alloc().begin_slab_setup_only() {
+            Ok(())
+        } else {
+            Err(Error::Full {
+                requested: crate::layout::SLAB,
+                free: 0,
+                largest_free: 0,
+            })
+        }
+    }
+
+    /// Test hook: overwrites the `creator` of `id`'s table entry (a buggy or hostile
+    /// process's write).
+    pub(crate) fn corrupt_creator(&self, id: &ObjectId, creator: u16) -> Result<()> {
+        self.inner.lookup_table().set_creator(id, creator)
     }
 
     /// Test hook: a recovery that stops halfway (see `testing::interrupted_recovery`).
