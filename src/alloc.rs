@@ -30,8 +30,8 @@
 //! an out-of-bounds access.
 
 use crate::error::{Error, Result};
-use crate::layout::{CLASSES, PAGE, PAGES_PER_SLAB, SLAB};
-use crate::sync::{AtomicU64, Ordering};
+use crate::layout::{CLASSES, HINTS, PAGE, PAGES_PER_SLAB, SLAB};
+use crate::sync::{fence, AtomicU64, Ordering};
 
 /// Pads `T` to its own cache line.
 #[repr(C, align(64))]
@@ -43,6 +43,29 @@ pub(crate) const CLASS_SIZES: [u64; CLASSES as usize] = [
     64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960, 1024, 1280, 1536,
     1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384,
 ];
+/// The ordering of the read-modify-writes that give a block back (page bits cleared;
+/// slab bit cleared, slab marked partial, reservation dropped): Release, so the next
+/// owner's Acquire claim sees everything the previous owner did with the memory. The
+/// mutations weaken them, for docs/verification.md.
+const PAGE_FREE: Ordering = if crate::sync::mutation("free_relaxed") {
+    Ordering::Relaxed
+} else {
+    Ordering::AcqRel
+};
+const SLAB_FREE: Ordering = if crate::sync::mutation("slab_free_relaxed") {
+    Ordering::Relaxed
+} else {
+    Ordering::AcqRel
+};
+const SLAB_FREE_FAIL: Ordering = if crate::sync::mutation("slab_free_relaxed") {
+    Ordering::Relaxed
+} else {
+    Ordering::Acquire
+};
+
+/// Searches before a page-run allocation reports the store full while claims by others
+/// were in flight (see `Allocator::alloc_pages`).
+const FULL_RETRIES: u32 = if cfg!(loom) { 4 } else { 64 };
 /// Page runs at least this long (4 MiB) are placed best-fit.
 const BEST_FIT_PAGES: u64 = 1024;
 /// Largest request served from slabs.
@@ -153,7 +176,8 @@ pub(crate) struct Allocator<'a> {
     slabs: &'a [SlabDesc],
     partial: &'a [AtomicU64],
     partial_words: usize,
-    /// `CLASSES` hint slots (current slab + 1 per class), then the first-fit low-water mark.
+    /// `CLASSES` hint slots (current slab + 1 per class), then the first-fit low-water
+    /// mark, then the claims-begun and claims-ended counters.
     hints: &'a [Padded<AtomicU64>],
 }
 
@@ -178,7 +202,7 @@ impl<'a> Allocator<'a> {
     ) -> Self {
         debug_assert!(pages.len() as u64 * 64 >= npages);
         debug_assert_eq!(slabs.len() as u64, npages / PAGES_PER_SLAB);
-        debug_assert_eq!(hints.len() as u64, CLASSES + 1);
+        debug_assert_eq!(hints.len() as u64, HINTS);
         let partial_words = slabs.len().div_ceil(64);
         debug_assert_eq!(partial.len(), partial_words * CLASSES as usize);
         Self {
@@ -263,6 +287,16 @@ impl<'a> Allocator<'a> {
         &self.hints[CLASSES as usize].0
     }
 
+    /// Page-run claims begun (see [`alloc_pages`](Self::alloc_pages)).
+    fn claims_begun(&self) -> &AtomicU64 {
+        &self.hints[CLASSES as usize + 1].0
+    }
+
+    /// Page-run claims ended, by success or rollback.
+    fn claims_ended(&self) -> &AtomicU64 {
+        &self.hints[CLASSES as usize + 2].0
+    }
+
     /// Index of the first clear page bit in `[p, end)`.
     fn next_free(&self, mut p: u64, end: u64) -> Option<u64> {
         while p < end {
@@ -292,8 +326,17 @@ impl<'a> Allocator<'a> {
     }
 
     /// Claims `[first, first + n)` word by word in ascending order. On conflict, rolls back
-    /// and returns the page index that was found taken.
+    /// and returns the page index that was found taken. Counted in the claims-begun /
+    /// claims-ended counters, so that a searcher can tell whether bits it skipped may
+    /// have been a claim in flight.
     fn claim_run(&self, first: u64, n: u64) -> std::result::Result<(), u64> {
+        self.claims_begun().fetch_add(1, Ordering::AcqRel);
+        let r = self.claim_run_uncounted(first, n);
+        self.claims_ended().fetch_add(1, Ordering::AcqRel);
+        r
+    }
+
+    fn claim_run_uncounted(&self, first: u64, n: u64) -> std::result::Result<(), u64> {
         let end = first + n;
         let mut p = first;
         while p < end {
@@ -304,7 +347,7 @@ impl<'a> Allocator<'a> {
             loop {
                 if cur & mask != 0 {
                     let taken = (w as u64) * 64 + (cur & mask).trailing_zeros() as u64;
-                    if !cfg!(shmstore_mutation = "no_rollback") {
+                    if !crate::sync::mutation("no_rollback") {
                         self.release_range(first, p);
                     }
                     return Err(taken);
@@ -330,7 +373,7 @@ impl<'a> Allocator<'a> {
         while p < end {
             let w = (p / 64) as usize;
             let hi = (end - (w as u64) * 64).min(64);
-            self.pages[w].fetch_and(!range_mask(p % 64, hi), Ordering::AcqRel);
+            self.pages[w].fetch_and(!range_mask(p % 64, hi), PAGE_FREE);
             p = (w as u64 + 1) * 64;
         }
     }
@@ -341,10 +384,38 @@ impl<'a> Allocator<'a> {
     /// them, lowest address on ties): a full bitmap scan, cheap beside copying 4 MiB,
     /// and it keeps the large runs whole. Smaller runs use address-ordered first fit from
     /// the low-water hint, which reuses recently freed (cache-warm) memory first.
+    ///
+    /// A searcher cannot tell a page another process has claimed for good from one it
+    /// holds for a moment in a claim that is about to roll back, so a search can come up
+    /// empty while space exists. `None` ("full") is therefore only returned after a
+    /// search during which no page-run claim began, ended or was in flight (at most
+    /// [`FULL_RETRIES`] searches; a claimer killed mid-claim leaves its claim "in flight"
+    /// for good, which costs later full searches their retries, nothing else).
     fn alloc_pages(&self, n: u64, align: u64) -> Option<u64> {
         if n == 0 || n > self.npages {
             return None;
         }
+        for _ in 0..FULL_RETRIES {
+            let ended_before = self.claims_ended().load(Ordering::Acquire);
+            if let Some(p) = self.search_and_claim(n, align) {
+                return Some(p);
+            }
+            // Every bit this search read was loaded before these counters (a claim whose
+            // bits we saw had counted itself as begun first: its CAS released that).
+            fence(Ordering::Acquire);
+            let begun = self.claims_begun().load(Ordering::Acquire);
+            let ended = self.claims_ended().load(Ordering::Acquire);
+            let quiet = begun == ended && ended == ended_before;
+            if quiet || crate::sync::mutation("full_without_retry") {
+                return None;
+            }
+            crate::sync::spin_hint();
+        }
+        None
+    }
+
+    /// One search of [`alloc_pages`](Self::alloc_pages).
+    fn search_and_claim(&self, n: u64, align: u64) -> Option<u64> {
         if n >= BEST_FIT_PAGES && align == 1 {
             for _ in 0..4 {
                 let p = self.best_run(n)?;
@@ -595,7 +666,7 @@ impl<'a> Allocator<'a> {
             }
             match d
                 .state
-                .compare_exchange_weak(st, st - 1, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange_weak(st, st - 1, SLAB_FREE, SLAB_FREE_FAIL)
             {
                 Ok(_) => break,
                 Err(now) => st = now,
@@ -647,12 +718,12 @@ impl<'a> Allocator<'a> {
         }
         let idx = within / size;
         let bit = 1u64 << (idx % 64);
-        let prev = d.bits[(idx / 64) as usize].fetch_and(!bit, Ordering::AcqRel);
+        let prev = d.bits[(idx / 64) as usize].fetch_and(!bit, SLAB_FREE);
         if prev & bit == 0 {
             return Err(corrupted(format!("double free of heap offset {offset}")));
         }
         self.partial_word(class, s)
-            .fetch_or(1u64 << (s % 64), Ordering::AcqRel);
+            .fetch_or(1u64 << (s % 64), SLAB_FREE);
         self.release_reservation(s, class);
         Ok(())
     }
@@ -878,7 +949,7 @@ pub(crate) mod testing {
                 npages,
                 slabs: (0..nslabs).map(|_| SlabDesc::default()).collect(),
                 partial: zeros(nslabs.div_ceil(64) * CLASSES as usize),
-                hints: (0..=CLASSES).map(|_| Padded(AtomicU64::new(0))).collect(),
+                hints: (0..HINTS).map(|_| Padded(AtomicU64::new(0))).collect(),
             }
         }
 

@@ -210,6 +210,10 @@ impl<'a> Clients<'a> {
                 Ok(_) => {
                     if found == Claimed::Fresh {
                         settle(h);
+                    } else if crate::sync::mutation("inherit_unlocked") {
+                        // Deliberate bug, for docs/verification.md: move in without
+                        // keeping the slot's lock (what "inherit" was before the locks).
+                        self.locks.unlock(i);
                     }
                     return Some(found);
                 }

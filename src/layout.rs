@@ -11,7 +11,7 @@
 //! 0        superblock (256 B, immutable after creation, checksummed)
 //! 4 KiB    globals           128 B                 clock hand, evictions, space waiters
 //!          wait buckets      WAIT_BUCKETS x 64 B   futex words for blocked gets
-//!          class hints       CLASSES x 64 B        current slab per size class
+//!          alloc hints       (CLASSES + 3) x 64 B  current slab per class, cursor, claims
 //!          page bitmap       pages / 64 words      1 bit per 4 KiB heap page
 //!          slab descriptors  slabs x 136 B         state + block bitmap per 64 KiB unit
 //!          partial bitmaps   CLASSES x slabs/64    "slab of class c may have a free block"
@@ -56,6 +56,9 @@ pub(crate) const MAX_META: u64 = 4096;
 pub(crate) const MIN_CAPACITY: u64 = SLAB;
 /// Size classes handled by slabs; see [`crate::alloc`].
 pub(crate) const CLASSES: u64 = 32;
+/// Allocator hint words (one cache line each): a current slab per class, then the
+/// page-run cursor and the claims-begun / claims-ended counters.
+pub(crate) const HINTS: u64 = CLASSES + 3;
 /// Bytes per slab descriptor.
 pub(crate) const SLAB_DESC_SIZE: u64 = 136;
 
@@ -155,7 +158,7 @@ impl Params {
         };
         let globals_offset = take(GLOBALS_SIZE, 64);
         let wait_offset = take(WAIT_BUCKETS * 64, 64);
-        let hints_offset = take((CLASSES + 1) * 64, 64);
+        let hints_offset = take(HINTS * 64, 64);
         let page_bitmap_offset = take(pages.div_ceil(64) * 8, 64);
         let slab_desc_offset = take(slabs * SLAB_DESC_SIZE, 64);
         let partial_offset = take(CLASSES * partial_words * 8, 64);
@@ -287,7 +290,7 @@ mod tests {
         let sections = [
             (l.globals_offset, GLOBALS_SIZE),
             (l.wait_offset, WAIT_BUCKETS * 64),
-            (l.hints_offset, (CLASSES + 1) * 64),
+            (l.hints_offset, HINTS * 64),
             (l.page_bitmap_offset, l.pages.div_ceil(64) * 8),
             (l.slab_desc_offset, l.slabs * SLAB_DESC_SIZE),
             (l.partial_offset, CLASSES * l.partial_words * 8),

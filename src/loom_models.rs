@@ -4,14 +4,17 @@
 //! same `#[repr(C)]` structs the region holds, with loom's atomics (through `crate::sync`),
 //! and 2 or 3 threads race through one protocol each. Run them with `scripts/loom.sh`
 //! (CI: `LOOM_MAX_PREEMPTIONS=2`; deeper: `scripts/loom.sh 3`). Each model is known to
-//! catch at least one deliberate bug, switched on with `--cfg shmstore_mutation="..."`
+//! catch at least one deliberate bug, switched on with `SHMSTORE_MUTATION=...`
 //! (`scripts/loom.sh --mutations`; see docs/verification.md).
 
 use crate::alloc::testing::HeapAllocator;
 use crate::alloc::Block;
+use crate::client::testing::MemLocks;
+use crate::client::{Claimed, ClientHeader, Clients};
 use crate::error::Error;
 use crate::layout::PAGE;
 use crate::sync::UnsafeCell;
+use crate::sync::{AtomicU64, Ordering};
 use crate::table::testing::HeapTable;
 use crate::table::{Entry, Pin};
 use crate::ObjectId;
@@ -362,5 +365,207 @@ fn loom_eviction_races_pin() {
             assert!(t.contains_sealed(&id));
             h.as_client(1).unpin(r).unwrap();
         }
+    });
+}
+
+/// A search that skipped pages another claimer held for a moment must not report the
+/// store full. C claims all 80 pages word by word; B takes 10 pages in C's second word,
+/// so C rolls back; A, wanting 40, may search while C holds the first word. If A reports
+/// full, no run of 40 pages may be free once everyone is done.
+#[test]
+fn loom_full_only_when_no_run_is_free() {
+    loom::model(|| {
+        let h = Arc::new(HeapAllocator::new(80 * PAGE));
+        let spawn = |pages: u64| {
+            let h = h.clone();
+            thread::spawn(move || h.get().alloc(pages * PAGE).ok())
+        };
+        let (c, b) = (spawn(80), spawn(10));
+        let a = h.get().alloc(40 * PAGE).ok();
+        let (c, b) = (c.join().unwrap(), b.join().unwrap());
+        let mut all: Vec<Block> = [a, b, c].into_iter().flatten().collect();
+        disjoint(all.clone());
+        let left = h.get().usage().largest_free;
+        if a.is_none() {
+            assert!(
+                left < 40 * PAGE,
+                "reported full while {} pages stayed free in one run",
+                left / PAGE
+            );
+        }
+        for blk in all.drain(..) {
+            h.get().free(blk).unwrap();
+        }
+        assert_eq!(h.get().usage().used, 0);
+    });
+}
+
+/// A process moving into a dead client's slot races a recoverer of that slot and a
+/// third process attaching. Whoever ends up holding the slot pins in its column (a
+/// counter here); no recovery may zero that counter afterwards, and at most one process
+/// holds the slot.
+#[test]
+fn loom_moving_into_a_dead_slot_races_its_recovery() {
+    loom::model(|| {
+        let headers: Arc<Vec<ClientHeader>> =
+            Arc::new((0..2).map(|_| ClientHeader::default()).collect());
+        let held: Arc<Vec<AtomicU64>> = Arc::new((0..2).map(|_| AtomicU64::new(0)).collect());
+        let column = Arc::new(AtomicU64::new(0)); // slot 1's pin counters
+        {
+            // Slot 0: the recoverer, alive. Slot 1: a client that died holding 5 pins.
+            let (r, dead) = (
+                MemLocks {
+                    holders: &held,
+                    id: 0,
+                },
+                MemLocks {
+                    holders: &held,
+                    id: 1,
+                },
+            );
+            assert_eq!(
+                Clients::new(&headers, &r, None).try_claim(0, false),
+                Some(Claimed::Fresh)
+            );
+            assert_eq!(
+                Clients::new(&headers, &dead, None).try_claim(1, false),
+                Some(Claimed::Fresh)
+            );
+            column.store(5, Ordering::SeqCst);
+            held[1].store(0, Ordering::SeqCst); // it dies: its lock goes
+        }
+        let attach = |id: u64| {
+            let (headers, held, column) = (headers.clone(), held.clone(), column.clone());
+            thread::spawn(move || {
+                let locks = MemLocks { holders: &held, id };
+                let clients = Clients::new(&headers, &locks, None);
+                let moved = match clients.try_claim(1, true) {
+                    Some(Claimed::Fresh) => true,
+                    Some(Claimed::Dead) => {
+                        column.store(0, Ordering::SeqCst); // recover its own slot
+                        clients.finish_claim(1)
+                    }
+                    None => false,
+                };
+                if moved {
+                    column.fetch_add(1, Ordering::SeqCst); // pin in its column
+                }
+                moved
+            })
+        };
+        let (p, n) = (attach(7), attach(9));
+        {
+            let locks = MemLocks {
+                holders: &held,
+                id: 0,
+            };
+            let clients = Clients::new(&headers, &locks, Some(0));
+            if clients.claim_for_recovery(1).is_some() {
+                column.store(0, Ordering::SeqCst);
+                clients.release(1);
+            }
+        }
+        let (p, n) = (p.join().unwrap(), n.join().unwrap());
+        assert!(!(p && n), "two processes hold one client slot");
+        assert_eq!(
+            column.load(Ordering::SeqCst),
+            (p || n) as u64,
+            "a recovery zeroed the pins of the slot's new holder"
+        );
+    });
+}
+
+/// The next owner of a page run synchronises with its previous owner: what the previous
+/// owner did with the memory (a loom cell here) happens before the next owner's first
+/// access, through the free's Release and the claim's Acquire.
+#[test]
+fn loom_page_run_hand_off() {
+    loom::model(|| {
+        let h = Arc::new(HeapAllocator::new(16 * PAGE));
+        let memory = Arc::new(UnsafeCell::new(0u64));
+        let prev = {
+            let (h, memory) = (h.clone(), memory.clone());
+            thread::spawn(move || {
+                if let Ok(b) = h.get().alloc(16 * PAGE) {
+                    // SAFETY: loom checks this access against the next owner's.
+                    memory.with_mut(|m| unsafe { *m = 1 });
+                    h.get().free(b).unwrap();
+                }
+            })
+        };
+        if h.get().alloc(16 * PAGE).is_ok() {
+            // SAFETY: loom checks this access against the previous owner's.
+            memory.with_mut(|m| unsafe { *m = 2 });
+        }
+        prev.join().unwrap();
+    });
+}
+
+/// The same hand-off for a slab block (the slab's last free block).
+#[test]
+fn loom_slab_block_hand_off() {
+    loom::model(|| {
+        let h = Arc::new(HeapAllocator::new(crate::layout::SLAB));
+        let memory = Arc::new(UnsafeCell::new(0u64));
+        let _others: Vec<Block> = (0..3).map(|_| h.get().alloc(16384).unwrap()).collect();
+        let prev = {
+            let (h, memory) = (h.clone(), memory.clone());
+            thread::spawn(move || {
+                if let Ok(b) = h.get().alloc(16384) {
+                    // SAFETY: loom checks this access against the next owner's.
+                    memory.with_mut(|m| unsafe { *m = 1 });
+                    h.get().free(b).unwrap();
+                }
+            })
+        };
+        if h.get().alloc(16384).is_ok() {
+            // SAFETY: loom checks this access against the previous owner's.
+            memory.with_mut(|m| unsafe { *m = 2 });
+        }
+        prev.join().unwrap();
+    });
+}
+
+/// The same hand-off for a table slot: the freer's last access (in `reclaim`, before
+/// the slot is released) happens before the first access of the process that claims the
+/// slot next.
+#[test]
+fn loom_table_slot_hand_off() {
+    // Filling the table takes many atomic steps (one path, but each counts as a branch).
+    let mut model = loom::model::Builder::new();
+    model.max_branches = 100_000;
+    model.check(|| {
+        let h = Arc::new(HeapTable::new(32));
+        // 31 of 32 slots taken: the two inserts below compete for the last one.
+        for k in 0..31u64 {
+            h.get()
+                .insert(&ObjectId::of_key(format!("k{k}")), &entry(64 * k))
+                .unwrap();
+        }
+        let prev = {
+            let h = h.clone();
+            thread::spawn(move || {
+                let t = h.get();
+                let x = ObjectId::of_key("x");
+                if let Ok(r) = t.insert(&x, &entry(64 * 40)) {
+                    t.seal(&x, r).unwrap();
+                    t.delete(&x).unwrap(); // frees: reclaim touches the cell, then release
+                }
+            })
+        };
+        // The next owner: tries until the last slot is free (yielding lets the previous
+        // owner finish; it creates no happens-before of its own).
+        let t = h.as_client(1);
+        for _ in 0..3 {
+            match t.insert(&ObjectId::of_key("y"), &entry(64 * 41)) {
+                Ok(_) => {
+                    h.touch_as_new_owner();
+                    break;
+                }
+                Err(Error::TableFull { .. }) => thread::yield_now(),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        prev.join().unwrap();
     });
 }

@@ -139,6 +139,32 @@ impl<T> UnsafeCell<T> {
     }
 }
 
+/// The deliberate bug this build carries, if any: loom builds read it from
+/// `SHMSTORE_MUTATION` at compile time (`scripts/loom.sh --mutations` builds each one and
+/// checks that its model fails; docs/verification.md). Every other build carries none,
+/// whatever the environment says.
+#[cfg(loom)]
+const MUTATION: Option<&str> = option_env!("SHMSTORE_MUTATION");
+#[cfg(not(loom))]
+const MUTATION: Option<&str> = None;
+
+/// Whether this build carries the deliberate bug `name` (see [`MUTATION`]).
+pub(crate) const fn mutation(name: &str) -> bool {
+    let Some(m) = MUTATION else { return false };
+    let (a, b) = (m.as_bytes(), name.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 /// Back off inside a CAS retry loop (a pause instruction; a yield under loom).
 #[inline]
 pub(crate) fn spin_hint() {

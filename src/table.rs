@@ -62,12 +62,12 @@ pub(crate) const PIN_LIMIT: u16 = 60_000;
 
 /// SeqCst, except under the `pin_acqrel` mutation (a deliberate bug for
 /// docs/verification.md: the pin/free handshake with acquire/release only).
-const SC: Ordering = if cfg!(shmstore_mutation = "pin_acqrel") {
+const SC: Ordering = if crate::sync::mutation("pin_acqrel") {
     Ordering::AcqRel
 } else {
     Ordering::SeqCst
 };
-const SC_LOAD: Ordering = if cfg!(shmstore_mutation = "pin_acqrel") {
+const SC_LOAD: Ordering = if crate::sync::mutation("pin_acqrel") {
     Ordering::Acquire
 } else {
     Ordering::SeqCst
@@ -75,7 +75,7 @@ const SC_LOAD: Ordering = if cfg!(shmstore_mutation = "pin_acqrel") {
 
 /// The fence of the Dekker handshake between pinners and freers.
 fn dekker_fence() {
-    if !cfg!(shmstore_mutation = "pin_acqrel") {
+    if !crate::sync::mutation("pin_acqrel") {
         fence(Ordering::SeqCst);
     }
 }
@@ -635,14 +635,21 @@ impl<'a> Table<'a> {
     }
 
     /// Returns a FREEING slot (its block already freed) to FREE at the next generation.
+    /// Release: the next owner's claim (an Acquire CAS from FREE) sees everything the
+    /// freer did with the slot first.
     pub(crate) fn release(&self, r: SlotRef) {
-        let next = if cfg!(shmstore_mutation = "no_gen_bump") {
+        let next = if crate::sync::mutation("no_gen_bump") {
             r.gen // deliberate bug, for docs/verification.md
         } else {
             r.gen.wrapping_add(1)
         };
+        let order = if crate::sync::mutation("slot_release_relaxed") {
+            Ordering::Relaxed // deliberate bug, for docs/verification.md
+        } else {
+            Ordering::Release
+        };
         if let Some(s) = self.slots.get(r.index as usize) {
-            s.ctl.store(Ctl::new(FREE, None, next).0, Ordering::Release);
+            s.ctl.store(Ctl::new(FREE, None, next).0, order);
         }
     }
 
@@ -655,7 +662,7 @@ impl<'a> Table<'a> {
             return Err(corrupted(format!("seal of slot {} in {c:?}", r.index)));
         }
         // Release: every payload byte written before this store is visible to whoever pins.
-        let publish = if cfg!(shmstore_mutation = "seal_relaxed") {
+        let publish = if crate::sync::mutation("seal_relaxed") {
             Ordering::Relaxed // deliberate bug, for docs/verification.md
         } else {
             Ordering::Release
@@ -836,7 +843,7 @@ impl<'a> Table<'a> {
             return Ok(false);
         }
         dekker_fence();
-        let pinned = !cfg!(shmstore_mutation = "evict_pinned")
+        let pinned = !crate::sync::mutation("evict_pinned")
             && self.row(i).iter().any(|k| k.load(SC_LOAD) != 0);
         if pinned {
             let _ = s
@@ -896,11 +903,11 @@ impl<'a> Table<'a> {
             // Read the futex word *before* the re-check: a seal after this read changes it,
             // so the wait below returns at once instead of missing the wake.
             let mut seq = 0;
-            if !cfg!(shmstore_mutation = "lost_wakeup") {
+            if !crate::sync::mutation("lost_wakeup") {
                 seq = wb.seq.fetch_add(0, Ordering::AcqRel);
             }
             let found = self.pin(id);
-            if cfg!(shmstore_mutation = "lost_wakeup") {
+            if crate::sync::mutation("lost_wakeup") {
                 // Deliberate bug, for docs/verification.md: re-check before reading the word.
                 seq = wb.seq.fetch_add(0, Ordering::AcqRel);
             }
@@ -1091,6 +1098,13 @@ pub(crate) mod testing {
         /// The blocks freed so far (each slot was released to FREE after its push).
         pub(crate) fn freed(&self) -> Vec<(SlotRef, Entry)> {
             self.freed.lock().unwrap().clone()
+        }
+
+        /// Writes the poison cell as the next owner of a freed slot (or block) would.
+        #[cfg(loom)]
+        pub(crate) fn touch_as_new_owner(&self) {
+            // SAFETY: loom checks this write against the previous owner's free.
+            self.poison.with_mut(|p| unsafe { *p += 1 });
         }
 
         /// Reads the poison cell: call only while holding a pin; it must still be 0.

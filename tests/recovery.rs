@@ -36,6 +36,28 @@ fn child_entry() {
         let _ = hear();
         return;
     }
+    if role == "failed-attaches" {
+        // In a process of its own (one test thread), so that nothing else opens files or
+        // maps memory while it counts.
+        let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+        let maps = || {
+            std::fs::read_to_string("/proc/self/maps")
+                .unwrap()
+                .lines()
+                .count()
+        };
+        let (f0, m0) = (fds(), maps());
+        for _ in 0..200 {
+            let r = Store::open_path(Path::new(&args[0]));
+            assert!(matches!(r, Err(Error::TooManyClients { max: 1 })), "{r:?}");
+        }
+        say(format!(
+            "fds {f0} -> {}, mappings {m0} -> {}",
+            fds(),
+            maps()
+        ));
+        return;
+    }
     let opts = shmstore::AttachOptions {
         recover_on_attach: false,
         ..Default::default()
@@ -500,21 +522,13 @@ fn failed_attaches_leave_no_descriptor_or_mapping_behind() {
         max_clients: 1,
         ..StoreConfig::with_capacity(1 << 20)
     };
-    let (store, c) = new_store("fd-hygiene", cfg);
-    let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
-    let maps = || {
-        std::fs::read_to_string("/proc/self/maps")
-            .unwrap()
-            .lines()
-            .count()
-    };
-    let (f0, m0) = (fds(), maps());
-    for _ in 0..200 {
-        assert!(matches!(
-            Store::open_path(&c.0),
-            Err(Error::TooManyClients { max: 1 })
-        ));
-    }
-    assert_eq!((fds(), maps()), (f0, m0));
-    drop(store);
+    let (store, _c) = new_store("fd-hygiene", cfg);
+    let mut p = child("failed-attaches", &store, &[]);
+    let line = p.recv();
+    let counts: Vec<&str> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|w| !w.is_empty())
+        .collect();
+    assert_eq!((counts[0], counts[2]), (counts[1], counts[3]), "{line}");
+    p.finish();
 }

@@ -16,12 +16,15 @@ The Rust core (``shmstore._native``) owns the memory; this package adds tensor i
 ``ReceiverCache``). See python/README.md.
 """
 
+import os as _os
+
 from ._native import (
     AlreadyExists,
     BadItem,
     Corrupted,
     Creation,
     CreatorDied,
+    Forked,
     Full,
     InsufficientSpace,
     InvalidConfig,
@@ -40,9 +43,17 @@ from ._native import (
     View,
     content_id,
     key_id,
+    _after_fork_in_child,
 )
 from .items import get_item, put_item
 from .cache import ReceiverCache, SenderCache
+
+# After os.fork() (multiprocessing's "fork" start method, vLLM's forked workers), a child
+# attaches as a client of its own on first use, pins the views it inherited in its own
+# name, and leaves the parent's unsealed objects to the parent. The Rust core notices the
+# fork by itself (pthread_atfork); this hook also re-pins live views at once, so arrays
+# made from them before the fork stay valid in the child.
+_os.register_at_fork(after_in_child=_after_fork_in_child)
 
 __all__ = [
     "AlreadyExists",
@@ -50,6 +61,7 @@ __all__ = [
     "Corrupted",
     "Creation",
     "CreatorDied",
+    "Forked",
     "Full",
     "InsufficientSpace",
     "InvalidConfig",

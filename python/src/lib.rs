@@ -8,8 +8,15 @@
 //!   keeps the `PyView` alive, and the `PyView` keeps the object pinned. A [`PyCreation`]
 //!   exports its bytes writable and counts its exports: it refuses to seal or abort while
 //!   one is alive, so no Python object can write to an object after it is published.
-//! * **The GIL.** Blocking gets, waits for space and copies of 64 KiB or more run without
-//!   it; small calls keep it (releasing costs more than they take).
+//! * **The GIL.** Blocking gets, waits for space, copies of 64 KiB or more, and any call
+//!   that may run recovery or eviction run without it; a small put keeps it only on its
+//!   fast path (`put_without_slow_work`), where releasing would cost more than the call.
+//!   Blocking waits run in slices of [`SIGNAL_SLICE`] and check for signals between them,
+//!   so Ctrl-C interrupts a `get(timeout=None)`.
+//! * **Fork.** `shmstore/__init__.py` registers [`_after_fork_in_child`] with
+//!   `os.register_at_fork`: in a child, every live `View` is pinned again in the child's
+//!   own name (so arrays made before the fork stay valid while the child holds them), and
+//!   creations inherited from the parent refuse to be written, sealed or aborted.
 //! * **Errors.** Every `shmstore::Error` becomes an exception class of its own, all derived
 //!   from `shmstore.ShmstoreError`, with the Rust message (which says what to do).
 
@@ -21,10 +28,24 @@ use pyo3::types::{
 };
 use shmstore::item::{self, ArraySpec, DType, MetaValue};
 use shmstore::{AttachOptions, Creation, ObjectId, Store, StoreConfig, View, WhenFull};
+use std::collections::HashSet;
 use std::mem::MaybeUninit;
 use std::os::raw::{c_int, c_void};
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// The longest a blocking call runs without the GIL before checking for signals.
+const SIGNAL_SLICE: Duration = Duration::from_millis(50);
+
+/// The live `View`s of this process (addresses of the Rust `View` inside each `PyView`),
+/// for [`_after_fork_in_child`]. Changed only with the GIL held; `fork()` runs with the
+/// GIL held, so no thread is inside this mutex when a process forks.
+static LIVE_VIEWS: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+
+fn live_views() -> std::sync::MutexGuard<'static, Option<HashSet<usize>>> {
+    LIVE_VIEWS.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 // A process-local count of Python buffer exports, never in shared memory: the crate's
 // rule (every shared atomic through `shmstore`'s loom shim) does not apply.
@@ -131,6 +152,12 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     _native,
+    Forked,
+    ShmstoreError,
+    "A handle inherited across fork() was used for what only its maker may do."
+);
+pyo3::create_exception!(
+    _native,
     BadItem,
     ShmstoreError,
     "The object is not a valid tensor item."
@@ -161,6 +188,7 @@ fn err(e: shmstore::Error) -> PyErr {
         E::TableFull { .. } => TableFull::new_err(msg),
         E::InvalidConfig { .. } => InvalidConfig::new_err(msg),
         E::BadItem { .. } => BadItem::new_err(msg),
+        E::Forked { .. } => Forked::new_err(msg),
         _ => ShmstoreError::new_err(msg),
     }
 }
@@ -190,6 +218,49 @@ fn timeout_of(t: Option<f64>) -> PyResult<Duration> {
         Some(s) => Err(PyValueError::new_err(format!(
             "timeout {s} must be >= 0 seconds"
         ))),
+    }
+}
+
+/// Runs `op` (a wait of at most the duration it is given) without the GIL, in slices of
+/// at most [`SIGNAL_SLICE`], until it returns something `again` does not match or
+/// `timeout` has passed; between slices, pending signals run (Ctrl-C raises
+/// `KeyboardInterrupt`). A final `Timeout` reports the whole wait.
+fn sliced<T: Send>(
+    py: Python<'_>,
+    timeout: Duration,
+    op: &(dyn Fn(Duration) -> shmstore::Result<T> + Sync),
+    again: fn(&shmstore::Error) -> bool,
+) -> PyResult<T> {
+    let start = Instant::now();
+    loop {
+        let slice = timeout.saturating_sub(start.elapsed()).min(SIGNAL_SLICE);
+        match py.allow_threads(|| op(slice)) {
+            Err(e) if again(&e) && start.elapsed() < timeout => py.check_signals()?,
+            Err(shmstore::Error::Timeout { id, .. }) => {
+                return Err(err(shmstore::Error::Timeout {
+                    id,
+                    waited: start.elapsed(),
+                }))
+            }
+            other => return other.map_err(err),
+        }
+    }
+}
+
+/// Called in a child right after `os.fork()` (registered by `shmstore/__init__.py`): tells
+/// the store the process forked, then pins every live view again in the child's own name,
+/// so that arrays made from them before the fork keep their bytes while the child holds
+/// them. A view whose object is already gone stays unpinned here and refuses new buffers
+/// (`Forked`).
+#[pyfunction]
+fn _after_fork_in_child() {
+    shmstore::after_fork_in_child();
+    let live = live_views();
+    for &addr in live.iter().flatten() {
+        // SAFETY: every address in LIVE_VIEWS is the `view` field of a live PyView (added
+        // on creation, removed in its Drop, both with the GIL held, which we hold now).
+        let v = unsafe { &*(addr as *const View) };
+        let _ = v.adopt();
     }
 }
 
@@ -251,6 +322,24 @@ struct PyView {
     view: View,
 }
 
+impl PyView {
+    /// Wraps a view and lists it for the fork handler.
+    fn wrap(py: Python<'_>, view: View) -> PyResult<Bound<'_, PyView>> {
+        let obj = Bound::new(py, PyView { view })?;
+        let addr = &obj.get().view as *const View as usize;
+        live_views().get_or_insert_with(HashSet::new).insert(addr);
+        Ok(obj)
+    }
+}
+
+impl Drop for PyView {
+    fn drop(&mut self) {
+        if let Some(live) = live_views().as_mut() {
+            live.remove(&(&self.view as *const View as usize));
+        }
+    }
+}
+
 #[pymethods]
 impl PyView {
     /// # Safety
@@ -266,6 +355,8 @@ impl PyView {
             ));
         }
         let v = &slf.get().view;
+        // In a forked child: pin again in this process's name (or refuse, if it is gone).
+        v.adopt().map_err(err)?;
         // SAFETY: `view` is valid per the caller; the bytes stay valid while the exporter
         // (this object, INCREF'd into view->obj by FillInfo) lives, because it pins them.
         let rc = unsafe {
@@ -296,14 +387,16 @@ impl PyView {
 
     /// The object's metadata blob.
     #[getter]
-    fn meta<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, self.view.meta())
+    fn meta<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        self.view.adopt().map_err(err)?;
+        Ok(PyBytes::new(py, self.view.meta()))
     }
 
     /// Address of the first byte in this process (for zero-copy checks).
     #[getter]
-    fn address(&self) -> usize {
-        self.view.as_ptr() as usize
+    fn address(&self) -> PyResult<usize> {
+        self.view.adopt().map_err(err)?;
+        Ok(self.view.as_ptr() as usize)
     }
 
     fn __len__(&self) -> usize {
@@ -324,6 +417,9 @@ struct PyCreation {
 
 impl PyCreation {
     fn finish(&mut self, seal: bool) -> PyResult<()> {
+        if let Some(c) = &self.c {
+            c.writable_here().map_err(err)?; // a forked child's copy is the parent's
+        }
         let n = self.exports.load(RELAXED);
         if n > 0 {
             return Err(PyBufferError::new_err(format!(
@@ -352,12 +448,15 @@ impl PyCreation {
     unsafe fn __getbuffer__(
         slf: Bound<'_, Self>,
         view: *mut ffi::Py_buffer,
-        _flags: c_int,
+        flags: c_int,
     ) -> PyResult<()> {
         let ptr = {
             let mut this = slf.borrow_mut();
             match this.c.as_mut() {
-                Some(c) => c.as_mut_ptr(),
+                Some(c) => {
+                    c.writable_here().map_err(err)?;
+                    c.as_mut_ptr()
+                }
                 None => {
                     return Err(PyBufferError::new_err(
                         "this creation was sealed or aborted; its memory is no longer writable",
@@ -375,7 +474,7 @@ impl PyCreation {
                 ptr as *mut c_void,
                 len as ffi::Py_ssize_t,
                 0,
-                ffi::PyBUF_WRITABLE,
+                flags,
             )
         };
         if rc == -1 {
@@ -415,6 +514,7 @@ impl PyCreation {
 
     /// Never evict this object (stores created with `evict=True`). Call before sealing.
     fn set_evictable(&mut self, evictable: bool) -> PyResult<()> {
+        // (`Creation::set_evictable` refuses in a forked child by itself.)
         match self.c.as_mut() {
             Some(c) => c.set_evictable(evictable).map_err(err),
             None => Err(PyValueError::new_err(
@@ -565,12 +665,17 @@ impl PyStore {
         let buf = RawBuf::get(data)?;
         let meta = meta.map(RawBuf::get).transpose()?;
         let m = meta.as_ref().map_or(&[][..], |m| m.as_slice());
-        let r = if buf.as_slice().len() >= RELEASE_GIL_AT {
-            py.allow_threads(|| self.s.put_with_meta(&id, buf.as_slice(), m))
-        } else {
-            self.s.put_with_meta(&id, buf.as_slice(), m)
-        };
-        r.map_err(err)
+        let bytes = buf.as_slice();
+        let slow = || py.allow_threads(|| self.s.put_with_meta(&id, bytes, m));
+        if bytes.len() >= RELEASE_GIL_AT {
+            return slow().map_err(err);
+        }
+        // Small: with the GIL on the fast path only; recovery or eviction run without it.
+        match self.s.put_without_slow_work(&id, bytes, m) {
+            Ok(true) => Ok(()),
+            Ok(false) => slow().map_err(err),
+            Err(e) => Err(err(e)),
+        }
     }
 
     /// Starts an object of `n` bytes; write through `.buffer`, then `seal()`. With
@@ -587,20 +692,27 @@ impl PyStore {
         let id = object_id(id)?;
         let meta = meta.map(RawBuf::get).transpose()?;
         let m = meta.as_ref().map_or(&[][..], |m| m.as_slice());
+        // Without the GIL: a create may recover dead clients or evict (whole-table work).
         let c = match timeout {
-            None => self.s.create_object_with_meta(&id, n, m),
+            None => py
+                .allow_threads(|| self.s.create_object_with_meta(&id, n, m))
+                .map_err(err)?,
             Some(t) => {
                 let t = timeout_of(Some(t))?;
-                if m.is_empty() {
-                    py.allow_threads(|| self.s.create_object_wait(&id, n, t))
-                } else {
+                if !m.is_empty() {
                     return Err(PyValueError::new_err(
                         "meta with a timeout is not supported; put meta in the object",
                     ));
                 }
+                let store = &self.s;
+                sliced(
+                    py,
+                    t,
+                    &|slice| store.create_object_wait(&id, n, slice),
+                    |e| matches!(e, shmstore::Error::Full { .. }),
+                )?
             }
-        }
-        .map_err(err)?;
+        };
         Ok(PyCreation {
             len: c.len(),
             c: Some(c),
@@ -624,12 +736,14 @@ impl PyStore {
             Ok(v) => v,
             Err(shmstore::Error::NotFound { .. }) => {
                 let t = timeout_of(timeout)?;
-                py.allow_threads(|| self.s.get(&id, t)).map_err(err)?
+                let store = &self.s;
+                sliced(py, t, &|slice| store.get(&id, slice), |e| {
+                    matches!(e, shmstore::Error::Timeout { .. })
+                })?
             }
             Err(e) => return Err(err(e)),
         };
-        let obj = Bound::new(py, PyView { view: v })?;
-        PyMemoryView::from(obj.as_any())
+        PyMemoryView::from(PyView::wrap(py, v)?.as_any())
     }
 
     /// Like `get`, but never waits: None if the object is absent or not sealed yet.
@@ -640,9 +754,7 @@ impl PyStore {
     ) -> PyResult<Option<Bound<'py, PyMemoryView>>> {
         let id = object_id(id)?;
         match self.s.try_get(&id) {
-            Ok(v) => Ok(Some(PyMemoryView::from(
-                Bound::new(py, PyView { view: v })?.as_any(),
-            )?)),
+            Ok(v) => Ok(Some(PyMemoryView::from(PyView::wrap(py, v)?.as_any())?)),
             Err(shmstore::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(err(e)),
         }
@@ -849,6 +961,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_item, m)?)?;
     m.add_function(wrap_pyfunction!(content_id, m)?)?;
     m.add_function(wrap_pyfunction!(key_id, m)?)?;
+    m.add_function(wrap_pyfunction!(_after_fork_in_child, m)?)?;
     for (name, ty) in [
         ("ShmstoreError", py.get_type::<ShmstoreError>()),
         ("Full", py.get_type::<Full>()),
@@ -868,6 +981,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("TableFull", py.get_type::<TableFull>()),
         ("InvalidConfig", py.get_type::<InvalidConfig>()),
         ("BadItem", py.get_type::<BadItem>()),
+        ("Forked", py.get_type::<Forked>()),
     ] {
         m.add(name, ty)?;
     }

@@ -19,7 +19,7 @@ use crate::capacity::{self, Globals};
 use crate::client::{self, Claimed, ClientHeader, Clients, Liveness, SlotLocks};
 use crate::error::{Error, Result};
 use crate::layout::{
-    Superblock, CLASSES, FLAG_EVICT, FLAG_REMOVE_WHEN_UNUSED, GLOBALS_SIZE, WAIT_BUCKETS,
+    Superblock, CLASSES, FLAG_EVICT, FLAG_REMOVE_WHEN_UNUSED, GLOBALS_SIZE, HINTS, WAIT_BUCKETS,
 };
 use crate::liveness::{self, LockFile};
 use crate::recovery::{RecoveryReport, World, MAINTENANCE_PERIOD};
@@ -236,7 +236,7 @@ impl Inner {
                 section(base, total, sb.page_bitmap_offset, sb.pages.div_ceil(64))?,
                 section(base, total, sb.slab_desc_offset, sb.slabs)?,
                 section(base, total, sb.partial_offset, sb.partial_words * CLASSES)?,
-                section(base, total, sb.hints_offset, CLASSES + 1)?,
+                section(base, total, sb.hints_offset, HINTS)?,
                 section(base, total, sb.slots_offset, sb.table_slots)?,
                 section(base, total, sb.buckets_offset, sb.table_slots)?,
                 section(base, total, sb.wait_offset, WAIT_BUCKETS)?,
@@ -581,6 +581,15 @@ impl<'a> Actor<'a> {
             return; // a read-only attach cannot free memory; others will
         }
         self.recover();
+    }
+
+    /// Whether scheduled maintenance is due now (what [`maintain`](Self::maintain) would
+    /// run, unless another thread takes it first).
+    pub(super) fn maintenance_due(&self) -> bool {
+        let inner = self.inner;
+        !inner.read_only
+            && inner.epoch.elapsed().as_nanos() as u64
+                >= inner.next_maintenance_ns.load(Ordering::Relaxed)
     }
 
     /// Whether scheduled maintenance may be due on this create (every

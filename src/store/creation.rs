@@ -57,6 +57,19 @@ impl Creation {
         self.id
     }
 
+    /// `Ok` in the process that started the creation; [`Error::Forked`] in a child made
+    /// by `fork()` since, where writing, sealing and aborting are the parent's to do.
+    ///
+    /// ```
+    /// # let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// let c = store.create_object(&shmstore::ObjectId::of_key("a"), 1)?;
+    /// assert!(c.writable_here().is_ok());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn writable_here(&self) -> Result<()> {
+        self.ours()
+    }
+
     fn ours(&self) -> Result<()> {
         if self.made_in == liveness::generation() {
             return Ok(());
@@ -135,7 +148,7 @@ impl Creation {
     }
 
     /// Panics with [`Error::Forked`]'s message in a forked child.
-    fn writable_here(&self) {
+    fn assert_writable_here(&self) {
         if let Err(e) = self.ours() {
             panic!("{e}");
         }
@@ -153,7 +166,7 @@ impl Deref for Creation {
     /// # Panics
     /// In a process forked after the creation started (see [`Creation`]).
     fn deref(&self) -> &[u8] {
-        self.writable_here();
+        self.assert_writable_here();
         // SAFETY: `data..data+len` lies in our block (checked by `resolve`), which stays
         // allocated while this handle lives and is written only through it.
         unsafe { std::slice::from_raw_parts(self.data, self.len) }
@@ -162,7 +175,7 @@ impl Deref for Creation {
 
 impl DerefMut for Creation {
     fn deref_mut(&mut self) -> &mut [u8] {
-        self.writable_here();
+        self.assert_writable_here();
         // SAFETY: as in `deref`; `&mut self` makes this the only live reference.
         unsafe { std::slice::from_raw_parts_mut(self.data, self.len) }
     }

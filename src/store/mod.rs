@@ -59,6 +59,13 @@ pub(crate) fn resolve_untrusted(offset: u64, len: u64, info: u64) {
     let _ = Entry::from_parts(offset, len, info).block(1 << 30);
 }
 
+/// Whether a create may run slow work (recovery, eviction) on the way.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Work {
+    Any,
+    QuickOnly,
+}
+
 /// `start + timeout`, or a far future if that overflows.
 fn deadline_after(start: Instant, timeout: Duration) -> Instant {
     start
@@ -289,6 +296,33 @@ impl Store {
         len: u64,
         meta: &[u8],
     ) -> Result<Creation> {
+        self.start_object(id, len, meta, Work::Any)
+            .map(|c| c.expect("creates that may work never decline"))
+    }
+
+    /// [`put_with_meta`](Self::put_with_meta) that declines (`Ok(false)`, nothing done)
+    /// instead of running slow work: scheduled recovery, or recovery and eviction in a
+    /// full store. For callers that hold a lock others wait on while they call (Python's
+    /// GIL): try this first, and on `false` release the lock and call `put_with_meta`.
+    #[doc(hidden)]
+    pub fn put_without_slow_work(&self, id: &ObjectId, bytes: &[u8], meta: &[u8]) -> Result<bool> {
+        match self.start_object(id, bytes.len() as u64, meta, Work::QuickOnly)? {
+            Some(mut c) => {
+                c.copy_from_slice(bytes);
+                c.seal().map(|()| true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// A create; with [`Work::QuickOnly`], `None` where slow work would be needed.
+    fn start_object(
+        &self,
+        id: &ObjectId,
+        len: u64,
+        meta: &[u8],
+        work: Work,
+    ) -> Result<Option<Creation>> {
         if meta.len() as u64 > MAX_META {
             return Err(Error::MetadataTooLarge {
                 len: meta.len(),
@@ -314,12 +348,22 @@ impl Store {
             })?;
         // Every few creates, see whether scheduled recovery is due.
         if actor.maintenance_check() {
+            if work == Work::QuickOnly && actor.maintenance_due() {
+                return Ok(None);
+            }
             actor.maintain();
         }
         // From the allocation until the entry names the block, a death here leaves
         // bits no entry names: the bracket tells recovery to owe a leak sweep.
         let op = actor.op();
-        let block = actor.alloc_block(need)?;
+        let block = match work {
+            Work::Any => actor.alloc_block(need)?,
+            Work::QuickOnly => match inner.alloc().alloc(need) {
+                Ok(b) => b,
+                Err(Error::Full { .. }) => return Ok(None),
+                Err(e) => return Err(e),
+            },
+        };
         let entry = Entry {
             offset: block.offset,
             len,
@@ -345,7 +389,7 @@ impl Store {
         // SAFETY: the block is ours alone until sealed (fresh allocation, entry CREATING,
         // unsealed objects cannot be pinned); meta fits before the data (resolve checked).
         unsafe { std::ptr::copy_nonoverlapping(meta.as_ptr(), res.meta, meta.len()) };
-        Ok(Creation {
+        Ok(Some(Creation {
             inner: Arc::clone(&self.inner),
             id: *id,
             slot,
@@ -353,7 +397,7 @@ impl Store {
             len: len as usize,
             done: false,
             made_in: liveness::generation(),
-        })
+        }))
     }
 
     /// Like [`create_object`](Self::create_object), but when the store is full it waits up

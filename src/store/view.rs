@@ -74,6 +74,19 @@ impl View {
         self.id
     }
 
+    /// The object's length in bytes.
+    ///
+    /// ```
+    /// # let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// # let id = shmstore::ObjectId::of_key("a"); store.put(&id, b"abc")?;
+    /// assert_eq!(store.try_get(&id)?.len(), 3);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    #[allow(clippy::len_without_is_empty)] // `is_empty` comes with the slice
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
     /// The object's metadata blob (empty if none was given).
     ///
     /// ```
