@@ -6,8 +6,11 @@
 //! [`MAINTENANCE_PERIOD`]), and on demand (`Store::recover`, `shmstore recover`).
 //!
 //! # Recovering one client (`World::recover_dead`)
-//! 1. **Claim** the dead client's slot with one CAS, `ALIVE -> RECOVERING(by me)`. A slot
-//!    left RECOVERING by a recoverer that died too is taken over the same way.
+//! 1. **Claim** the dead client's slot (ALIVE, its liveness lock free) with one CAS,
+//!    `ALIVE -> RECOVERING(by me)`. A slot left RECOVERING by a recoverer that died too
+//!    (its own lock free) is taken over the same way. Claims the dead client itself held
+//!    on other slots are taken over too, and a sweep token it held is cleared, so that
+//!    nothing names its slot once that slot is free and claimed again.
 //! 2. **Pins:** zero its column of pin counters (every slot, FREE ones included: a pin
 //!    attempt may have raised a counter on a slot that changed meanwhile), and free each
 //!    DELETED slot whose last counter that was.
@@ -16,8 +19,8 @@
 //! 4. **Half-done table steps:** a RESERVED or FREEING slot whose `owner` is the dead
 //!    client goes back to FREE at the next generation. Its block (claimed, or part-freed)
 //!    is left to the sweep, because the owner may have died inside the allocator.
-//! 5. If the client's `ops_started != ops_finished`, it died inside an allocator step:
-//!    `sweeps_owed += 1`.
+//! 5. If the client's `ops_started != ops_finished`, it died inside an allocator step, and
+//!    if it held raw blocks (`raw_alloc`), they are named by no entry: `sweeps_owed += 1`.
 //! 6. Release the slot (`FREE`, new generation on the next claim).
 //!
 //! Every step is a CAS from a state only the dead client could have left, or a counter
@@ -38,11 +41,16 @@
 //! * a slab `live` count above its set bits has its extra reservations dropped;
 //! * a page bit that no page-run entry and no live slab covers is freed.
 //!
-//! All three are safe to do after the snapshot while others run: nobody else can touch a
+//! * a unit that is no slab but has block bits set (a setup killed midway) has them
+//!   cleared, after its pages are taken as a new slab would take them.
+//!
+//! All are safe to do after the snapshot while others run: nobody else can touch a
 //! bit that is set and unnamed (claimers only take clear bits; freers only free what an
-//! entry names). Only one process sweeps at a time (`Globals::sweeper`, taken over if its
-//! holder died); a sweep that finds no quiet moment leaves `sweeps_owed` for the next
-//! try. Sweeping never blocks anyone: it is the only thing that waits for a quiet moment.
+//! entry names). A client holding raw blocks makes the moment not quiet. Only one process
+//! sweeps at a time (`Globals::sweeper`, taken over if its holder died, cleared when its
+//! holder is recovered); a sweep that finds no quiet moment leaves `sweeps_owed` for the
+//! next try. Sweeping never blocks anyone: it is the only thing that waits for a quiet
+//! moment.
 
 use crate::alloc::{blocks_in_slab, Allocator, Block, BlockKind, CLASS_SIZES};
 use crate::capacity::Globals;

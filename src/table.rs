@@ -549,10 +549,29 @@ impl<'a> Table<'a> {
         Ok(())
     }
 
-    /// Pins slot `r` in our column if it is still readable at its generation (a view
-    /// taken over by a forked child). `Ok(false)`: the object is gone.
+    /// Pins slot `r` in our column if its block is still there at its generation: a view
+    /// taken over by a forked child, whose parent's pin has kept the block since the view
+    /// was taken. Unlike a fresh pin this also holds a DELETED (draining) slot: raising a
+    /// counter before a freer reads the row keeps the block exactly as a pin does (the
+    /// same handshake), and if the freer read first, the re-read sees FREEING or a new
+    /// generation. `Ok(false)`: the block was freed.
     pub(crate) fn repin(&self, r: SlotRef) -> Result<bool> {
         let i = self.index_checked(r)?;
+        let s = &self.slots[i];
+        let k = self.counter(i, self.me);
+        if k.fetch_add(1, SC) >= PIN_LIMIT {
+            self.drop_hold(i);
+            return Err(Error::TooManyPins {
+                limit: PIN_LIMIT as u32,
+            });
+        }
+        dekker_fence();
+        let c = Ctl(s.ctl.load(SC_LOAD));
+        if c.gen() == r.gen && c.state() == DELETED {
+            return Ok(true);
+        }
+        // Readable: as a fresh pin (our counter is up once more; drop the extra one).
+        self.drop_hold(i);
         self.try_hold(i, r.gen)
     }
 

@@ -9,8 +9,12 @@
 //! 3. no living worker was ever blocked beyond its timeout (plus scheduling slack);
 //! 4. a new client can still put and get.
 //!
-//! Short variant (CI): `cargo test --test chaos` runs 20 s with 4 workers.
-//! Long mode: `SHMSTORE_CHAOS_SECS=600 SHMSTORE_CHAOS_WORKERS=6 cargo test --release
+//! Workers also fork now and then: the child uses the store it inherited (re-reads the
+//! views its parent holds, gets, puts) and ends with `_exit`, leaving its slot to
+//! recovery; a child whose parent is killed is killed with it (`PR_SET_PDEATHSIG`).
+//!
+//! Short variant (CI): `cargo test --test chaos` runs 20 s with 8 workers.
+//! Long mode: `SHMSTORE_CHAOS_SECS=600 SHMSTORE_CHAOS_WORKERS=8 cargo test --release
 //! --test chaos -- --nocapture` (figures in docs/reliability.md).
 
 mod common;
@@ -80,6 +84,8 @@ struct Report {
     creator_died: u64,
     timeouts: u64,
     full: u64,
+    /// Children forked (each checked what it inherited and exited 0).
+    forks: u64,
     /// Longest time any operation took beyond its own timeout (µs).
     max_stall_us: u64,
     /// Longest operation overall (µs).
@@ -89,7 +95,7 @@ struct Report {
 impl Report {
     fn line(&self) -> String {
         format!(
-            "report {} {} {} {} {} {} {} {} {}",
+            "report {} {} {} {} {} {} {} {} {} {}",
             self.ops,
             self.puts,
             self.gets,
@@ -97,6 +103,7 @@ impl Report {
             self.creator_died,
             self.timeouts,
             self.full,
+            self.forks,
             self.max_stall_us,
             self.max_op_us
         )
@@ -107,7 +114,7 @@ impl Report {
             .split(' ')
             .filter_map(|x| x.parse().ok())
             .collect();
-        (v.len() == 9).then(|| Report {
+        (v.len() == 10).then(|| Report {
             ops: v[0],
             puts: v[1],
             gets: v[2],
@@ -115,9 +122,44 @@ impl Report {
             creator_died: v[4],
             timeouts: v[5],
             full: v[6],
-            max_stall_us: v[7],
-            max_op_us: v[8],
+            forks: v[7],
+            max_stall_us: v[8],
+            max_op_us: v[9],
         })
+    }
+}
+
+/// In a forked child of a worker: checks what it inherited and uses the store as a client
+/// of its own. Returns the exit code (0: every check held).
+fn forked_child(store: &Store, known: &[ObjectId], held: &[View], rng: &mut Rng) -> i32 {
+    let parent = std::os::unix::process::parent_id();
+    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets this process's parent-death signal.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    if std::os::unix::process::parent_id() != parent {
+        return 0; // the parent died before the line above: nothing to check against
+    }
+    // Views the parent holds (some deleted since, draining): pinned again here, bytes
+    // unchanged.
+    for v in held {
+        if v.adopt().is_err() {
+            return 6;
+        }
+        if ObjectId::of_content(v) != v.id() {
+            return 2;
+        }
+    }
+    for id in known.iter().take(4) {
+        match store.get(id, GET_TIMEOUT) {
+            Ok(v) if ObjectId::of_content(&v) == *id => {}
+            Ok(_) => return 3,
+            Err(Error::Timeout { .. }) => {}
+            Err(_) => return 4,
+        }
+    }
+    let data = content(rng.next(), 1 + rng.below(50_000) as usize);
+    match store.put(&ObjectId::of_content(&data), &data) {
+        Ok(()) | Err(Error::AlreadyExists { .. }) | Err(Error::Full { .. }) => 0,
+        Err(_) => 5,
     }
 }
 
@@ -126,6 +168,13 @@ impl Report {
 #[ignore = "chaos worker, started by the chaos test"]
 fn worker_entry() {
     let (_, args) = child_role().expect("worker_entry runs only as a child process");
+    // Report any failed check on the protocol pipe too: a worker the supervisor kills
+    // while it is still unwinding must not pass for a worker killed at random.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        println!("@failed {info}");
+        default_hook(info);
+    }));
     let store = Store::open_path(Path::new(&args[0])).unwrap();
     let stop = PathBuf::from(&args[1]);
     let mut rng = Rng::seeded();
@@ -224,8 +273,35 @@ fn worker_entry() {
                 match store.delete(&id) {
                     Ok(()) => rep.deletes += 1,
                     Err(Error::NotFound { .. }) => {}
+                    // Content ids of tiny objects repeat across workers: the sealed object
+                    // this worker saw may have been deleted and is being created again.
+                    Err(Error::NotSealed { .. }) => {}
                     Err(e) => panic!("delete failed: {e}"),
                 }
+            }
+            // Now and then: fork a child that uses everything it inherited.
+            9 if rng.below(40) == 0 => {
+                // SAFETY: this process runs one test thread; the child only uses the store,
+                // allocates and ends with `_exit`.
+                let pid = unsafe { libc::fork() };
+                assert!(pid >= 0, "fork failed");
+                if pid == 0 {
+                    let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        forked_child(&store, &known, &held, &mut rng)
+                    }))
+                    .unwrap_or(101);
+                    // SAFETY: ends the child without unwinding into the test harness.
+                    unsafe { libc::_exit(code) };
+                }
+                let mut status = 0;
+                // SAFETY: `pid` is our child; `status` is a valid out-pointer.
+                assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+                assert!(
+                    libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+                    "a forked child failed its checks: status {status:#x}"
+                );
+                rep.forks += 1;
+                allowance = GET_TIMEOUT * 4 + SLACK;
             }
             _ => {
                 if !held.is_empty() {
@@ -249,7 +325,8 @@ fn worker_entry() {
 struct Worker {
     proc: Proc,
     latest: Arc<Mutex<Report>>,
-    reader: std::thread::JoinHandle<bool>,
+    /// Joins to (finished cleanly, failed a check).
+    reader: std::thread::JoinHandle<(bool, Option<String>)>,
 }
 
 fn start_worker(store_path: &Path, stop: &Path) -> Worker {
@@ -262,15 +339,18 @@ fn start_worker(store_path: &Path, stop: &Path) -> Worker {
     let latest = Arc::new(Mutex::new(Report::default()));
     let l2 = latest.clone();
     let reader = std::thread::spawn(move || {
-        let mut done = false;
+        let (mut done, mut failed) = (false, None);
         for line in out.lines() {
             let Ok(line) = line else { break };
             if let Some(r) = line.strip_prefix('@').and_then(Report::parse) {
                 *l2.lock().unwrap() = r;
             }
+            if let Some(why) = line.strip_prefix("@failed ") {
+                failed.get_or_insert_with(|| why.to_string());
+            }
             done |= line == "@done";
         }
-        done
+        (done, failed)
     });
     Worker {
         proc,
@@ -282,7 +362,7 @@ fn start_worker(store_path: &Path, stop: &Path) -> Worker {
 #[test]
 fn chaos_kills_lose_nothing_and_block_no_one() {
     let secs = env_u64("SHMSTORE_CHAOS_SECS", 20);
-    let nworkers = env_u64("SHMSTORE_CHAOS_WORKERS", 4) as usize;
+    let nworkers = env_u64("SHMSTORE_CHAOS_WORKERS", 8) as usize;
     let cfg = StoreConfig {
         max_objects: 4096,
         max_clients: 32,
@@ -314,7 +394,8 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
             Some(9),
             "a worker failed before its kill: {status}"
         );
-        let _ = w.reader.join();
+        let (_, failed) = w.reader.join().unwrap();
+        assert_eq!(failed, None, "a worker failed a check before its kill");
         finished.push(*w.latest.lock().unwrap());
         kills += 1;
         workers.push(start_worker(&path, &stop));
@@ -325,7 +406,9 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
             let mut p = w.proc;
             p.child.wait().unwrap()
         };
-        assert!(w.reader.join().unwrap(), "a worker did not finish cleanly");
+        let (done, failed) = w.reader.join().unwrap();
+        assert_eq!(failed, None, "a worker failed a check");
+        assert!(done, "a worker did not finish cleanly");
         assert!(status.success(), "a worker failed: {status}");
         finished.push(*w.latest.lock().unwrap());
     }
@@ -376,6 +459,7 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
         creator_died: a.creator_died + r.creator_died,
         timeouts: a.timeouts + r.timeouts,
         full: a.full + r.full,
+        forks: a.forks + r.forks,
         max_stall_us: a.max_stall_us.max(r.max_stall_us),
         max_op_us: a.max_op_us.max(r.max_op_us),
     });
@@ -391,7 +475,7 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
         "chaos: {secs} s, {nworkers} workers, {} ops ({} puts, {} gets, {} deletes), {kills} kills, \
          {} clients recovered, {:.1} MiB reclaimed ({} leaked blocks freed by the sweep), \
          {} gets saw CreatorDied, {} timeouts, \
-         {} full, {} evictions, {sealed} objects verified at the end, longest stall beyond \
+         {} full, {} forked children, {} evictions, {sealed} objects verified at the end, longest stall beyond \
          timeout {:.1} ms, longest op {:.1} ms",
         total.ops,
         total.puts,
@@ -403,11 +487,12 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
         total.creator_died,
         total.timeouts,
         total.full,
+        total.forks,
         st.evictions,
         total.max_stall_us as f64 / 1000.0,
         total.max_op_us as f64 / 1000.0,
     );
-    assert!(kills > 0 && total.ops > 0);
+    assert!(kills > 0 && total.ops > 0 && total.forks > 0);
     assert!(
         st.recovered_clients >= kills,
         "{} < {kills}",

@@ -64,16 +64,20 @@ fn child_entry() {
         "fork-and-exit" => {
             let kept = ObjectId::of_key("kept");
             let view = store.try_get(&kept).unwrap();
+            // Deleted but still pinned (draining) when the child starts: still readable.
+            let gone = ObjectId::of_key("deleted-but-held");
+            let draining = store.try_get(&gone).unwrap();
+            store.delete(&gone).unwrap();
             let pending = ObjectId::of_key("pending");
             let mut c = store.create_object(&pending, 1000).unwrap();
             c.fill(3);
             let before = store.stats();
             // Everything the child inherits, so that it can drop all of it.
-            let mut inherited = Some((store, view, c));
+            let mut inherited = Some((store, view, c, draining));
             let pid = fork_and(|| {
-                let (store, view, mut c) = inherited.take().unwrap();
-                // The inherited view is adopted (pinned in the child's own column).
-                if view[..] != content(1, 300_000)[..] {
+                let (store, view, mut c, draining) = inherited.take().unwrap();
+                // The inherited views are adopted (pinned in the child's own column).
+                if view[..] != content(1, 300_000)[..] || draining[..] != content(2, 50_000)[..] {
                     return 2;
                 }
                 let mine = store.try_get(&kept).unwrap();
@@ -88,11 +92,12 @@ fn child_entry() {
                 if store.stats().clients != 3 {
                     return 5; // parent, test process and this child
                 }
-                drop((view, mine, c, store));
+                drop((view, mine, c, store, draining));
                 0
             });
-            let (store, view, c) = inherited.take().unwrap();
+            let (store, view, c, draining) = inherited.take().unwrap();
             say(format!("child exited {}", wait_exit(pid)));
+            drop(draining); // kept until the child has adopted it
             let after = store.stats();
             say(format!(
                 "pins {} -> {}, creating {} -> {}, clients {} -> {}",
@@ -145,9 +150,12 @@ fn a_forked_child_that_exits_normally_leaves_the_parents_slot_pins_and_creations
     store
         .put(&ObjectId::of_key("kept"), &content(1, 300_000))
         .unwrap();
+    store
+        .put(&ObjectId::of_key("deleted-but-held"), &content(2, 50_000))
+        .unwrap();
     let mut p = child("fork-and-exit", &store, &[]);
     assert_eq!(p.recv(), "child exited 0");
-    assert_eq!(p.recv(), "pins 1 -> 1, creating 1 -> 1, clients 2 -> 2");
+    assert_eq!(p.recv(), "pins 2 -> 1, creating 1 -> 1, clients 2 -> 2");
     assert_eq!(p.recv(), "pins now 0");
     // The child's own object stays; its slot is free again.
     assert!(store.contains(&ObjectId::of_key("from-child")));
