@@ -177,3 +177,30 @@ fn scribbled_table_entry_is_an_error_not_ub() {
     assert!(matches!(s.try_get(&id), Err(Error::Corrupted { .. })));
     assert!(matches!(s.delete(&id), Err(Error::Corrupted { .. })));
 }
+
+#[test]
+fn extreme_settings_are_errors_or_work_never_panics() {
+    // A table too large to lay out is a configuration error, not an overflow.
+    let huge = StoreConfig {
+        max_objects: u64::MAX,
+        ..StoreConfig::with_capacity(1 << 20)
+    };
+    assert!(matches!(
+        Store::create_anonymous(&huge),
+        Err(Error::InvalidConfig { .. })
+    ));
+    // A spin longer than any deadline just spins until the deadline.
+    let cfg = StoreConfig {
+        get_spin: std::time::Duration::MAX,
+        ..StoreConfig::with_capacity(1 << 20)
+    };
+    let s = Store::create_anonymous(&cfg).unwrap();
+    let id = ObjectId::of_key("absent");
+    assert!(matches!(
+        s.get(&id, std::time::Duration::from_millis(5)),
+        Err(Error::Timeout { .. })
+    ));
+    // An endless timeout with the object already there returns at once.
+    s.put(&id, b"here").unwrap();
+    assert_eq!(&*s.get(&id, std::time::Duration::MAX).unwrap(), b"here");
+}

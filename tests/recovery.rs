@@ -532,3 +532,37 @@ fn failed_attaches_leave_no_descriptor_or_mapping_behind() {
     assert_eq!((counts[0], counts[2]), (counts[1], counts[3]), "{line}");
     p.finish();
 }
+
+#[test]
+fn the_fast_put_path_declines_slow_work_and_does_none_of_it() {
+    // What the Python bindings hold the GIL for: a put that would have to recover a dead
+    // process (or evict, or run scheduled maintenance) declines instead, untouched.
+    let (store, _c) = new_store("fast-path", StoreConfig::with_capacity(1 << 20));
+    let hog = ObjectId::of_key("hog");
+    let mut p = child(
+        "create-only",
+        &store,
+        &[hog.to_string(), (1u64 << 20).to_string()],
+    );
+    assert_eq!(p.recv(), "creating");
+    kill(p);
+    let small = ObjectId::of_key("small");
+    assert!(!store.put_without_slow_work(&small, b"x", b"").unwrap());
+    let st = store.stats();
+    assert_eq!(
+        (st.recovered_clients, st.dead_clients, st.objects),
+        (0, 1, 0),
+        "{st:?}"
+    );
+    store.put(&small, b"x").unwrap(); // the slow path recovers, then puts
+    let st = store.stats();
+    assert_eq!(
+        (st.recovered_clients, st.dead_clients, st.objects),
+        (1, 0, 1),
+        "{st:?}"
+    );
+    // With room and nothing due, the fast path does the put itself.
+    assert!(store
+        .put_without_slow_work(&ObjectId::of_key("quick"), b"y", b"")
+        .unwrap());
+}

@@ -154,6 +154,29 @@ def test_a_blocking_get_releases_the_gil(store):
     assert result == {"timeout": True}
 
 
+def test_a_small_put_recovers_a_dead_process_on_its_slow_path(store_name):
+    # The put finds the store full of a dead process's object. Its GIL-holding fast path
+    # (Store::put_without_slow_work, tested in Rust to decline such work) declines, and
+    # the put recovers the dead process without the GIL.
+    s = shmstore.Store.create(store_name, 1 << 20)
+    p = spawn_python(
+        """
+        import sys, shmstore
+        s = shmstore.Store.open(sys.argv[1])
+        c = s.create_object("hog", 1 << 20)
+        print("holding", flush=True)
+        sys.stdin.readline()
+        """,
+        store_name,
+    )
+    assert p.stdout.readline().strip() == "holding"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    s.put("small", b"x" * 100)
+    st = s.stats()
+    assert (st["recovered_clients"], st["objects"]) == (1, 1), st
+
+
 def test_another_process_reads_the_same_bytes(store, store_name):
     data = np.random.default_rng(1).integers(0, 255, 1 << 20, dtype=np.uint8)
     store.put("shared", data)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The vLLM environment: vllm==0.34.0 installed without its dependencies (the full set pins
+# GPU-only packages this registry cannot resolve), plus what its multimodal cache, config
+# and v1.serial_utils modules import, torch 2.14.0 included (~6 GB, a few minutes the first
+# time; nothing the second). shmstore is built into the same venv, so its entry point
+# (`vllm.general_plugins` -> shmstore.vllm) is registered.
+#
+#   scripts/vllm.sh          install (idempotent)
+#   scripts/vllm.sh test     ... then the whole Python suite (torch tests included) and
+#                            the vLLM plugin tests
+#   scripts/vllm.sh bench    ... then the vLLM cache benchmark (docs/vllm.md)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=$PWD/python/.venv-vllm
+py=${PYTHON:-python3}
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+pip=("$venv/bin/pip" install -q --disable-pip-version-check)
+if ! "$venv/bin/python" -c "import vllm.multimodal.cache, vllm.v1.serial_utils" 2>/dev/null; then
+  "${pip[@]}" "torch==2.14.0" "numpy>=1.24" msgspec cachetools "pydantic>=2.12" regex \
+    psutil blake3 "transformers>=5.16.1,<5.23" pyzmq cloudpickle pillow huggingface_hub \
+    tokenizers safetensors pyyaml tqdm requests einops aiohttp pybase64 uvloop py-cpuinfo \
+    openai fastapi prometheus_client "maturin>=1.7,<2" "pytest>=7" ml_dtypes
+  "${pip[@]}" --no-deps "vllm==0.34.0"
+fi
+"${pip[@]}" "maturin>=1.7,<2" "pytest>=7"
+(cd python && VIRTUAL_ENV=$venv "$venv/bin/maturin" develop --release -q)
+export PYTHONPATH=$PWD/python/tests${PYTHONPATH:+:$PYTHONPATH}
+case "${1:-}" in
+  "") echo "installed: $venv/bin/python -c 'import vllm, shmstore.vllm'" ;;
+  test) shift; "$venv/bin/python" -m pytest -q python/tests python/tests_vllm "$@" ;;
+  bench) shift; "$venv/bin/python" python/benchmarks/vllm_cache.py "$@" ;;
+  *) echo "usage: scripts/vllm.sh [test|bench]" >&2; exit 2 ;;
+esac
