@@ -723,13 +723,16 @@ impl PyStore {
 
     /// A read-only memoryview of a sealed object, waiting up to `timeout` seconds (None:
     /// forever) for it to be sealed. The object stays pinned while the memoryview, or any
-    /// array made from it, is alive; `memoryview.obj` is the `View` (id, meta).
-    #[pyo3(signature = (id, timeout=None))]
+    /// array made from it, is alive; `memoryview.obj` is the `View` (id, meta). With
+    /// `wait_if_absent=False`, waits only for an object that is being created, and raises
+    /// `NotFound` at once if nobody holds the id.
+    #[pyo3(signature = (id, timeout=None, *, wait_if_absent=true))]
     fn get<'py>(
         &self,
         py: Python<'py>,
         id: &Bound<'py, PyAny>,
         timeout: Option<f64>,
+        wait_if_absent: bool,
     ) -> PyResult<Bound<'py, PyMemoryView>> {
         let id = object_id(id)?;
         let v = match self.s.try_get(&id) {
@@ -737,9 +740,14 @@ impl PyStore {
             Err(shmstore::Error::NotFound { .. }) => {
                 let t = timeout_of(timeout)?;
                 let store = &self.s;
-                sliced(py, t, &|slice| store.get(&id, slice), |e| {
-                    matches!(e, shmstore::Error::Timeout { .. })
-                })?
+                let wait = |slice| {
+                    if wait_if_absent {
+                        store.get(&id, slice)
+                    } else {
+                        store.get_existing(&id, slice)
+                    }
+                };
+                sliced(py, t, &wait, |e| matches!(e, shmstore::Error::Timeout { .. }))?
             }
             Err(e) => return Err(err(e)),
         };
@@ -792,6 +800,21 @@ impl PyStore {
         Ok(d)
     }
 
+    /// Every object in the store: a list of `(id, length, state, pins)` with `id` the 32
+    /// id bytes and `state` one of "sealed", "creating", "draining" (a scan; for tools).
+    fn list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for o in self.s.list() {
+            let state = match o.state {
+                shmstore::ObjectState::Sealed => "sealed",
+                shmstore::ObjectState::Creating => "creating",
+                _ => "draining",
+            };
+            out.append((PyBytes::new(py, o.id.as_bytes()), o.len, state, o.pins))?;
+        }
+        Ok(out)
+    }
+
     /// Reclaims what dead processes left now; returns what it did.
     fn recover<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let r = py.allow_threads(|| self.s.recover()).map_err(err)?;
@@ -808,6 +831,14 @@ impl PyStore {
     #[getter]
     fn path(&self) -> Option<String> {
         self.s.path().map(|p| p.display().to_string())
+    }
+
+    /// `(address, length)` of the store's payload heap in this process (for
+    /// `cudaHostRegister`; read-only pages in a read-only attach).
+    #[getter]
+    fn heap_region(&self) -> (usize, usize) {
+        let (addr, len) = self.s.heap_region();
+        (addr as usize, len)
     }
 
     /// The largest object this store can ever hold.

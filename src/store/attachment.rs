@@ -445,6 +445,11 @@ impl Inner {
         Ok(Resolved { block, meta, data })
     }
 
+    /// The payload heap in this process: address and length.
+    pub(super) fn heap_region(&self) -> (*const u8, usize) {
+        (self.heap as *const u8, self.sb.heap_size as usize)
+    }
+
     pub(super) fn evicts(&self) -> bool {
         self.sb.flags & FLAG_EVICT != 0
     }

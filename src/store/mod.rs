@@ -247,6 +247,21 @@ impl Store {
         self.inner.map.file().as_fd()
     }
 
+    /// Where this process maps the store's payload heap: `(address, length)`. For
+    /// registering the memory with a device driver (CUDA's `cudaHostRegister`, so that
+    /// copies from views to a GPU run as direct DMA); the range stays mapped while any
+    /// handle of this store lives. In a read-only attach it is mapped read-only.
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// let (addr, len) = s.heap_region();
+    /// assert_eq!((addr as usize % 4096, len), (0, 1 << 20));
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn heap_region(&self) -> (*const u8, usize) {
+        self.inner.heap_region()
+    }
+
     /// The largest object this store can ever hold.
     ///
     /// ```
@@ -477,6 +492,30 @@ impl Store {
     /// [`Error::CreatorDied`] within about [`CREATOR_CHECK_PERIOD`] instead of waiting out
     /// its timeout (and the dead creator's memory is reclaimed on the way).
     pub fn get(&self, id: &ObjectId, timeout: Duration) -> Result<View> {
+        self.get_waiting(id, timeout, true)
+    }
+
+    /// Like [`get`](Self::get), but waits only for an object that is being created: if
+    /// nobody holds `id` (never created, deleted, evicted), fails at once with
+    /// [`Error::NotFound`] instead of waiting for someone to create it. For readers
+    /// that were told the object exists (a cache keyed by content), for which an absent
+    /// object is a miss to report, not a wait.
+    ///
+    /// ```
+    /// use shmstore::{Error, ObjectId, Store, StoreConfig};
+    /// use std::time::Duration;
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let id = ObjectId::of_key("gone");
+    /// assert!(matches!(store.get_existing(&id, Duration::from_secs(60)), Err(Error::NotFound { .. })));
+    /// store.put(&id, b"here")?;
+    /// assert_eq!(&*store.get_existing(&id, Duration::from_secs(60))?, b"here");
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn get_existing(&self, id: &ObjectId, timeout: Duration) -> Result<View> {
+        self.get_waiting(id, timeout, false)
+    }
+
+    fn get_waiting(&self, id: &ObjectId, timeout: Duration, wait_if_absent: bool) -> Result<View> {
         let start = Instant::now();
         let deadline = deadline_after(start, timeout);
         let inner = &self.inner;
@@ -510,6 +549,9 @@ impl Store {
                         if now != ctl || alive != Liveness::Alive {
                             return Err(Error::CreatorDied { id: *id, pid });
                         }
+                    }
+                    if !wait_if_absent {
+                        return Err(Error::NotFound { id: *id });
                     }
                 }
             }

@@ -1,0 +1,241 @@
+"""vLLM's multimodal caches beside shmstore's, same run, same items, through vLLM 0.34's own
+classes (run: scripts/vllm.sh bench; figures in docs/vllm.md).
+
+Topology, as in vLLM: a front-end (P0, this process) runs the processor cache; what it
+returns is encoded with vLLM's MsgpackEncoder and sent once to an engine-core process,
+which forwards it to every worker (vLLM broadcasts the scheduler output the same way);
+each worker decodes it with MsgpackDecoder, runs its receiver cache, and holds the items
+as torch tensors. Latency is from the front-end's first cache call until every worker
+holds every item of the request; CPU times are per item.
+
+* ``vllm-shm``: vLLM's ShmObjectStoreSenderCache / ReceiverCache (msgpack into a ring in
+  /dev/shm, a copy out on every read);
+* ``vllm-lru``: vLLM's mirrored LruKeyReplicatedSenderCache; the receiver (in vLLM, one
+  in the engine core) keeps full items on the other side, so a first send carries the
+  tensors through the RPC and a hit carries nothing;
+* ``shmstore``: shmstore.vllm (one copy into shared memory; a marker on the wire; zero
+  copy in the workers).
+
+Items: a Qwen2-VL-style image (``pixel_values`` float32 [2560, 1176], 12 MiB, and
+``image_grid_thw``), a video (bfloat16 [8192, 1176], 18.4 MiB) and a burst of 64 small
+images (float32 [16, 1176], 73.5 KiB each). First send: new hashes every round; hit: the
+same hashes again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import time
+import uuid
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests_vllm"))
+from harness import make_config, setup_process, worker_main  # noqa: E402
+
+
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def make_items(kind: str, tag: str):
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFieldElem,
+        MultiModalFlatField,
+        MultiModalKwargsItem,
+    )
+
+    def image(rows, dtype, key="pixel_values", grid="image_grid_thw"):
+        pix = torch.randn(rows, 1176).to(dtype)
+        return MultiModalKwargsItem(
+            {
+                key: MultiModalFieldElem(data=pix, field=MultiModalFlatField(slices=[slice(0, rows)], dim=0)),
+                grid: MultiModalFieldElem(data=torch.tensor([1, rows // 40, 40]), field=MultiModalBatchedField()),
+            }
+        )
+
+    if kind == "image":
+        return {f"{tag}-img": image(2560, torch.float32)}
+    if kind == "video":
+        return {f"{tag}-vid": image(8192, torch.bfloat16, "pixel_values_videos", "video_grid_thw")}
+    return {f"{tag}-s{i}": image(16, torch.float32) for i in range(64)}
+
+
+def engine_main(kind, config, conn, n_workers, env, method):
+    """The engine-core stand-in: receives each request once, forwards it to every worker."""
+    setup_process(env)
+    ctx = mp.get_context(method)
+    lock = ctx.Lock()
+    workers = []
+    for _ in range(n_workers):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=worker_main, args=(kind, config, b, lock, env))
+        p.start()
+        assert a.recv()[0] == "ready"
+        workers.append((p, a))
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        if msg == "cpu":
+            cpus = []
+            for _, w in workers:
+                w.send("cpu")
+                cpus.append(w.recv()[1])
+            conn.send((cpu_s(), cpus))
+            continue
+        req, entries, mode = msg
+        bufs = [[conn.recv_bytes() for _ in range(n)] for _, n in entries]
+        for _, w in workers:
+            w.send(msg)
+            for b in bufs:
+                for chunk in b:
+                    w.send_bytes(chunk)
+        replies = [w.recv() for _, w in workers]
+        conn.send(replies)
+    for p, w in workers:
+        w.send(None)
+        p.join(30)
+
+
+class Instance:
+    """One front-end, one engine core, ``n`` workers."""
+
+    def __init__(self, kind: str, n: int, env: dict, cache_gb: float):
+        from harness import make_sender
+        from vllm.v1.serial_utils import MsgpackEncoder
+
+        self.kind = kind
+        self.config = make_config(cache_mb=cache_gb * 1024, max_object_mb=128, world_size=n)
+        self.sender = make_sender(kind, self.config)
+        self.encoder = MsgpackEncoder()
+        ctx = mp.get_context("fork")
+        self.conn, child = ctx.Pipe()
+        self.engine = ctx.Process(target=engine_main, args=(kind, self.config, child, n, env, "fork"))
+        self.engine.start()
+        assert self.conn.recv() == "ready"
+
+    def request(self, items: dict) -> None:
+        hashes = list(items)
+        s = self.sender
+        cached = s.is_cached(hashes)
+        for h in hashes:
+            s.touch_sender_cache_item(h)
+        outs = []
+        try:
+            for h, c in zip(hashes, cached):
+                out, _ = s.get_and_update_item(None if c else (items[h], []), h)
+                outs.append(out)
+        finally:
+            s.release_sender_touches()
+        bufs = [None if o is None else list(self.encoder.encode(o)) for o in outs]
+        self.conn.send((0, [(h, 0 if b is None else len(b)) for h, b in zip(hashes, bufs)], "fast"))
+        for b in bufs:
+            for chunk in b or ():
+                self.conn.send_bytes(chunk)
+        replies = self.conn.recv()
+        assert all(r[0] == "ok" for r in replies), replies
+
+    def cpu(self):
+        self.conn.send("cpu")
+        return self.conn.recv()
+
+    def close(self):
+        self.conn.send(None)
+        self.engine.join(60)
+        if hasattr(self.sender, "close"):
+            self.sender.close()
+
+
+def measure(kind, n, item_kind, rounds, env, cache_gb):
+    inst = Instance(kind, n, env, cache_gb)
+    try:
+        per_item = len(make_items(item_kind, "warm"))
+        inst.request(make_items(item_kind, "warm"))  # warm the paths (not measured)
+        out = {}
+        for phase in ("first", "hit"):
+            sets = [make_items(item_kind, f"r{r}-{uuid.uuid4().hex[:6]}") for r in range(rounds)]
+            if phase == "hit":
+                for items in sets:
+                    inst.request(items)  # makes them cached
+            lat = []
+            p0, (e0, w0) = cpu_s(), inst.cpu()
+            for items in sets:
+                t = time.perf_counter()
+                inst.request(items)
+                lat.append((time.perf_counter() - t) / per_item)
+            p1, (e1, w1) = cpu_s(), inst.cpu()
+            k = rounds * per_item
+            out[phase] = {
+                "latency_ms_p50": 1e3 * statistics.median(lat),
+                "frontend_cpu_ms": 1e3 * (p1 - p0) / k,
+                "engine_cpu_ms": 1e3 * (e1 - e0) / k,
+                "worker_cpu_ms": 1e3 * sum(b - a for a, b in zip(w0, w1)) / k / n,
+            }
+        return out
+    finally:
+        inst.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", default="1,2,4")
+    ap.add_argument("--items", default="image,video,burst")
+    ap.add_argument("--kinds", default="vllm-shm,vllm-lru,shmstore")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--cache-gb", type=float, default=2.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    name = f"shmstore-vllm-bench-{os.getpid()}"
+    env = {
+        "SHMSTORE_VLLM_STORE": name,
+        "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": f"vllm-bench-ring-{os.getpid()}",
+        "SHMSTORE_VLLM": "1",
+        "SHMSTORE_VLLM_CUDA_REGISTER": "0",
+    }
+    setup_process(env)
+    results = []
+    try:
+        for item in args.items.split(","):
+            for n in map(int, args.workers.split(",")):
+                for kind in args.kinds.split(","):
+                    rounds = args.rounds if item != "burst" else max(2, args.rounds // 2)
+                    r = measure(kind, n, item, rounds, env, args.cache_gb)
+                    for phase, m in r.items():
+                        results.append({"item": item, "workers": n, "kind": kind, "phase": phase, **m})
+                        if not args.json:
+                            print(f"{item:6} {n} workers {kind:9} {phase:5} "
+                                  f"latency {m['latency_ms_p50']:8.3f} ms/item  front-end CPU "
+                                  f"{m['frontend_cpu_ms']:7.3f} ms  engine {m['engine_cpu_ms']:7.3f} ms  "
+                                  f"worker {m['worker_cpu_ms']:7.3f} ms", flush=True)
+    finally:
+        for f in (name, env["VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME"]):
+            try:
+                os.unlink(f"/dev/shm/{f}")
+            except FileNotFoundError:
+                pass
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return
+    print("\nshmstore against vLLM's shm cache (same run): speed-up of latency, share of front-end CPU")
+    key = {(r["item"], r["workers"], r["kind"], r["phase"]): r for r in results}
+    for item in args.items.split(","):
+        for n in map(int, args.workers.split(",")):
+            for phase in ("first", "hit"):
+                a, b = key.get((item, n, "vllm-shm", phase)), key.get((item, n, "shmstore", phase))
+                if a and b:
+                    print(f"{item:6} {n} workers {phase:5}: {a['latency_ms_p50'] / b['latency_ms_p50']:6.1f}x "
+                          f"faster, front-end CPU {b['frontend_cpu_ms'] / max(a['frontend_cpu_ms'], 1e-9):5.2f} of vLLM's")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,685 @@
+"""shmstore as vLLM's shared-memory multimodal cache (vLLM 0.34).
+
+Turn it on with ``--mm-processor-cache-type shm`` and ``SHMSTORE_VLLM=1`` in the
+environment of ``vllm serve`` (the package registers a ``vllm.general_plugins`` entry
+point; see docs/vllm.md). vLLM's three cache factories then return:
+
+* ``ShmstoreSenderCache`` in every front-end process (P0): it puts each processed
+  ``MultiModalKwargsItem`` once into one store per vLLM instance, as one shmstore item
+  (every tensor copied once, straight into shared memory; no pickle, no msgpack), and
+  sends the workers only a marker: the ``mm_hash`` the request already carries is the key.
+* ``ShmstoreReceiverCache`` in every worker (P1): it maps the item back as the same
+  ``MultiModalKwargsItem`` with torch tensors over the shared bytes (zero-copy, pinned
+  while they live), or raises vLLM's ``MultiModalCacheMissError`` with every missing hash
+  of the request, so that vLLM's retry path resends the data.
+* no cache in the engine-core process (as for vLLM's own ``shm`` cache).
+
+It also takes the place of vLLM's ``processor_only`` fallback with data parallelism or
+several API servers: every front-end writes the one store; the first put of an item wins.
+
+Settings (environment):
+
+* ``SHMSTORE_VLLM=1``: use shmstore where vLLM would use its ``shm`` cache (``force``:
+  also where it looks multi-node, see below).
+* ``SHMSTORE_VLLM_STORE``: the store's name in /dev/shm. Default
+  ``shmstore-vllm-<launcher pid>-<random>``, chosen by the first process of the instance
+  and inherited by the others; set it yourself to share one store between instances.
+* ``SHMSTORE_VLLM_READ_ONLY=0``: workers attach read-write (default: read-only, so a
+  write to a cached tensor faults instead of changing it for everyone).
+* ``SHMSTORE_VLLM_CUDA_REGISTER=auto|1|0``: register the store's heap with CUDA in each
+  worker (``cudaHostRegister``), so ``.to("cuda", non_blocking=True)`` from a view is a
+  direct DMA instead of a staged copy. ``auto`` (default) registers when a GPU is there.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import sys
+import uuid
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from vllm.multimodal.cache.base import (
+    BaseMultiModalProcessorCache,
+    BaseMultiModalReceiverCache,
+    MultiModalCacheMissError,
+    MultiModalProcessorCacheInItem,
+    MultiModalProcessorCacheOutItem,
+)
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFeatureSpec,
+    MultiModalFieldConfig,
+    MultiModalFieldElem,
+    MultiModalKwargsItem,
+)
+from vllm.utils.cache import CacheInfo
+
+from . import _native
+from .items import get_item, put_item
+
+logger = logging.getLogger("shmstore.vllm")
+
+#: The one key of the item the workers receive instead of the data (its value: the
+#: format version). The ``mm_hash`` the request carries for the item is the store key.
+MARKER = "__shmstore__"
+FORMAT = 1
+_STRUCTURE = "vllm"
+
+_FIELD_KINDS = {"batched", "flat", "shared"}
+_TORCH_DTYPES = {
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+}
+_MiB = 1 << 20
+#: Most sends kept pinned on their way to the workers (the byte budget usually binds).
+_MAX_INFLIGHT = 4096
+#: Prompt updates kept per front-end (items it can report cached without reprocessing).
+_MAX_UPDATES = 1 << 16
+
+
+class Unsupported(ValueError):
+    """An item that cannot be a shmstore item; it goes inline instead. ``reason`` groups
+    the cases for the log (one line per reason)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+# ----- the item format ---------------------------------------------------------------
+
+
+def _field_kind(field) -> tuple[str, dict[str, Any]]:
+    from vllm.v1.serial_utils import MMF_CLASS_TO_FACTORY
+
+    name = MMF_CLASS_TO_FACTORY.get(type(field))
+    if name not in _FIELD_KINDS:
+        raise Unsupported("field", f"field type {type(field).__name__}")
+    import dataclasses
+
+    kw = {}
+    for f in dataclasses.fields(field):
+        v = getattr(field, f.name)
+        kw[f.name] = _slices_out(v) if f.name == "slices" else v
+    return name, kw
+
+
+def _slices_out(v):
+    if isinstance(v, slice):
+        return {"s": [v.start, v.stop, v.step]}
+    if isinstance(v, (list, tuple)):
+        return [_slices_out(x) for x in v]
+    raise Unsupported("field", f"flat field slices of type {type(v).__name__}")
+
+
+def _slices_in(v):
+    if isinstance(v, dict):
+        return slice(*v["s"])
+    return [_slices_in(x) for x in v]
+
+
+def encode_item(item: MultiModalKwargsItem) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The arrays and metadata of a shmstore item holding ``item``: every tensor becomes
+    one array (copied once by ``put_item``); the structure (keys, field kinds and their
+    parameters, nesting of lists and tuples, plain numbers) is one small JSON string.
+    Raises ``Unsupported`` for anything else (a GPU tensor, an exotic dtype, a string)."""
+    arrays: dict[str, torch.Tensor] = {}
+
+    def data_out(x):
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                raise Unsupported("device", f"a tensor on {x.device}")
+            if x.dtype not in _TORCH_DTYPES:
+                raise Unsupported("dtype", f"dtype {x.dtype}")
+            name = f"t{len(arrays)}"
+            arrays[name] = x
+            return {"t": name}
+        if isinstance(x, bool):
+            return {"b": x}
+        if isinstance(x, int):
+            return {"i": x}
+        if isinstance(x, float):
+            return {"f": x}
+        if x is None:
+            return None
+        if isinstance(x, list):
+            return {"l": [data_out(e) for e in x]}
+        if isinstance(x, tuple):
+            return {"u": [data_out(e) for e in x]}
+        raise Unsupported("type", f"a value of type {type(x).__name__}")
+
+    keys = []
+    for key, elem in item.items():
+        kind, kw = _field_kind(elem.field)
+        keys.append({"k": key, "field": [kind, kw], "data": data_out(elem.data)})
+    structure = json.dumps({"v": FORMAT, "keys": keys}, separators=(",", ":"))
+    return arrays, {_STRUCTURE: structure}
+
+
+def decode_item(arrays: dict[str, Any]) -> MultiModalKwargsItem:
+    """The ``MultiModalKwargsItem`` an item holds, its tensors being ``arrays``'s
+    (zero-copy views of the shared object, as ``get_item(..., as_torch=True)`` returns)."""
+    meta = arrays.get("__meta__") or {}
+    structure = json.loads(meta[_STRUCTURE])
+    if structure.get("v") != FORMAT:
+        raise ValueError(f"shmstore item format {structure.get('v')}, expected {FORMAT}")
+
+    def data_in(x):
+        if x is None:
+            return None
+        (tag, v), = x.items()
+        if tag == "t":
+            return arrays[v]
+        if tag in ("i", "f", "b"):
+            return v
+        if tag == "l":
+            return [data_in(e) for e in v]
+        if tag == "u":
+            return tuple(data_in(e) for e in v)
+        raise ValueError(f"unknown tag {tag!r} in a shmstore item")
+
+    out = {}
+    for k in structure["keys"]:
+        kind, kw = k["field"]
+        if kind not in _FIELD_KINDS:
+            raise ValueError(f"unknown field kind {kind!r} in a shmstore item")
+        kw = dict(kw)
+        if "slices" in kw:
+            kw["slices"] = _slices_in(kw["slices"])
+        field = getattr(MultiModalFieldConfig, kind)("", **kw).field
+        out[k["k"]] = MultiModalFieldElem(data=data_in(k["data"]), field=field)
+    return MultiModalKwargsItem(out)
+
+
+def marker_item() -> MultiModalKwargsItem:
+    """What crosses vLLM's RPC for an item in the store: no data, no address, no
+    signature. The receiver looks the item up by the request's ``mm_hash``."""
+    return MultiModalKwargsItem(
+        {MARKER: MultiModalFieldElem(data=FORMAT, field=MultiModalBatchedField())}
+    )
+
+
+def is_marker(item: MultiModalKwargsItem | None) -> bool:
+    return item is not None and len(item) == 1 and MARKER in item
+
+
+# ----- the store of one vLLM instance ----------------------------------------------------
+
+_PREFIX = "shmstore-vllm-"
+
+
+def store_name() -> str:
+    """This vLLM instance's store name: ``SHMSTORE_VLLM_STORE``, set by the first process
+    that asks (the launcher, when the plugin loads) and inherited by every process it
+    starts, forked or spawned."""
+    name = os.environ.get("SHMSTORE_VLLM_STORE")
+    if not name:
+        name = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.environ["SHMSTORE_VLLM_STORE"] = name
+    return name
+
+
+def remove_stale_stores(directory: str = "/dev/shm") -> list[str]:
+    """Removes stores left by vLLM instances that crashed: every ``shmstore-vllm-*``
+    store with no live process attached (dead ones are recovered on the way). Returns
+    the names removed. A store in use is never touched: attaching shows its live clients.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(_PREFIX) or name == os.environ.get("SHMSTORE_VLLM_STORE"):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            s = _native.Store.open(path, prefault=False)
+        except _native.ShmstoreError:
+            continue  # not a store of ours, another version, or just removed
+        try:
+            if s.stats()["clients"] == 1:  # only us: everyone else is dead
+                s.unlink()
+                removed.append(name)
+        finally:
+            del s
+    if removed:
+        logger.info("shmstore: removed %d store(s) left by crashed vLLM instances: %s",
+                    len(removed), ", ".join(removed))
+    return removed
+
+
+def _capacity(vllm_config) -> int:
+    mm_config = vllm_config.model_config.get_multimodal_config()
+    return int(mm_config.mm_processor_cache_gb * (1 << 30))
+
+
+def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
+    """Attaches to this instance's store, creating it (evicting, removed when its last
+    process leaves) if this process is the first."""
+    name = store_name()
+    capacity = _capacity(vllm_config)
+    for _ in range(3):
+        try:
+            return _native.Store.open(name, read_only=read_only, prefault=False)
+        except _native.StoreNotFound:
+            pass
+        try:
+            s = _native.Store.create(
+                name,
+                capacity,
+                max_objects=max(1 << 16, capacity >> 16),
+                max_clients=256,
+                evict=True,
+                remove_when_unused=True,
+                prefault=False,
+            )
+            logger.info(
+                "shmstore: multimodal cache in /dev/shm/%s (%.1f GiB, shared by every "
+                "front-end and worker of this vLLM instance)", name, capacity / (1 << 30))
+            if not read_only:
+                return s
+            ro = _native.Store.open(name, read_only=True, prefault=False)
+            del s  # after the read-only attach: the store is removed when unused
+            return ro
+        except _native.StoreExists:
+            pass
+    return _native.Store.open(name, read_only=read_only, prefault=False)
+
+
+# ----- P0: the front-end ---------------------------------------------------------------
+
+
+class ShmstoreSenderCache(BaseMultiModalProcessorCache):
+    """The front-end (P0) cache: each item goes into the store once; only a marker
+    crosses the RPC.
+
+    Eviction is the store's CLOCK (least recently used first), never FIFO, and skips
+    pinned items. vLLM's touch protocol maps to pins: ``is_cached`` and
+    ``touch_sender_cache_item`` pin an item until ``release_sender_touches`` (the end of
+    the request's merge), and every item sent stays pinned in a window of recent sends
+    (at most ``inflight_fraction`` of the store's bytes, and always the latest send) so
+    that it is not evicted while its request is on the way to the workers. An item that is gone
+    anyway is a miss on the worker, which vLLM's retry path turns into a resend.
+
+    Prompt updates (front-end Python objects, not shareable) stay in this process: a
+    front-end runs the HF processor once for an item it has not seen, even if another
+    front-end already stored the item's tensors.
+    """
+
+    def __init__(self, vllm_config, *, inflight_fraction: float = 0.25) -> None:
+        super().__init__()
+        mm_config = vllm_config.model_config.get_multimodal_config()
+        self.store = open_store(vllm_config)
+        self.max_object_size = int(mm_config.mm_shm_cache_max_object_size_mb * _MiB)
+        self._updates: collections.OrderedDict[str, Sequence[Any]] = collections.OrderedDict()
+        self._touched: dict[str, memoryview] = {}
+        self._inflight: collections.deque[tuple[memoryview, int]] = collections.deque()
+        self._inflight_bytes = 0
+        self._inflight_budget = int(_capacity(vllm_config) * inflight_fraction)
+        self._hits = 0
+        self._total = 0
+        self._last_info = CacheInfo(hits=0, total=0)
+        self._warned: set[str] = set()
+        self.inline_only = False  # set when workers turn out not to see the store
+
+    # -- what vLLM asks ---------------------------------------------------------------
+
+    @override
+    def is_cached_item(self, mm_hash: str) -> bool:
+        if self.inline_only or mm_hash not in self._updates:
+            return False
+        if mm_hash in self._touched:
+            return True
+        v = self.store.try_get(mm_hash)
+        if v is None:
+            del self._updates[mm_hash]
+            return False
+        self._touched[mm_hash] = v  # protected until the request is merged
+        return True
+
+    @override
+    def touch_sender_cache_item(self, mm_hash: str) -> None:
+        if mm_hash in self._touched or mm_hash not in self._updates:
+            return
+        v = self.store.try_get(mm_hash)
+        if v is not None:
+            self._touched[mm_hash] = v
+
+    @override
+    def release_sender_touches(self) -> None:
+        self._touched.clear()
+
+    @override
+    def get_and_update_item(
+        self,
+        mm_item: MultiModalProcessorCacheInItem,
+        mm_hash: str,
+    ) -> MultiModalProcessorCacheOutItem:
+        self._total += 1
+        if mm_item is None:
+            # vLLM found the item cached (is_cached) and skipped processing it.
+            updates = self._updates.get(mm_hash)
+            if updates is None:
+                raise MultiModalCacheMissError([mm_hash])
+            self._hits += 1
+            self._updates.move_to_end(mm_hash)
+            self._send(mm_hash, self._touched.pop(mm_hash, None))
+            return marker_item(), updates
+
+        item, updates = mm_item
+        if self.inline_only:
+            return mm_item
+        try:
+            arrays, meta = encode_item(item)
+            nbytes = sum(t.nbytes for t in arrays.values())
+            if nbytes > self.max_object_size:
+                raise Unsupported(
+                    "size",
+                    f"{nbytes / _MiB:.1f} MiB is over --mm-shm-cache-max-object-size-mb="
+                    f"{self.max_object_size // _MiB}",
+                )
+            if not self.store.contains(mm_hash):
+                put_item(self.store, mm_hash, arrays, meta)
+        except Unsupported as e:
+            self._warn_once(e.reason, f"shmstore: an item goes inline ({e}); said once per reason")
+            return mm_item
+        except _native.AlreadyExists:
+            pass  # another front-end is putting (or put) it: the first put wins
+        except (_native.Full, _native.TooLarge, _native.TableFull) as e:
+            logger.debug("shmstore: item %s not cached (%s)", mm_hash, e)
+            return mm_item
+        self._updates[mm_hash] = updates
+        self._updates.move_to_end(mm_hash)
+        self._send(mm_hash, None)
+        return marker_item(), updates
+
+    @override
+    def validate_input_item(self, mm_item: MultiModalKwargsItem, mm_hash: str) -> None:
+        if is_marker(mm_item) and not self.store.contains(mm_hash):
+            raise ValueError(f"multimodal item {mm_hash} is not in the shmstore cache")
+
+    @override
+    def invalidate(self, mm_hash: str) -> None:
+        # A worker missed the item. If the store still holds it, the worker cannot see
+        # the store (it runs on another machine): from now on, items go inline.
+        if self.store.contains(mm_hash) and not self.inline_only:
+            self.inline_only = True
+            logger.warning(
+                "shmstore: a worker could not read item %s from /dev/shm/%s although the "
+                "store holds it; workers on another machine? Sending items inline from "
+                "now on (see docs/vllm.md, multi-node).", mm_hash, store_name())
+        self._updates.pop(mm_hash, None)
+        self._touched.pop(mm_hash, None)
+
+    @override
+    def clear_cache(self) -> None:
+        self._touched.clear()
+        self._inflight.clear()
+        self._inflight_bytes = 0
+        self._updates.clear()
+        for oid, _len, state, _pins in self.store.list():
+            if state != "sealed":
+                continue
+            try:
+                self.store.delete(oid)
+            except _native.ShmstoreError:
+                pass  # deleted by another front-end meanwhile
+        self._hits = self._total = 0
+        self._last_info = CacheInfo(hits=0, total=0)
+
+    @override
+    def make_stats(self, *, delta: bool = False) -> CacheInfo:
+        info = CacheInfo(hits=self._hits, total=self._total)
+        if delta:
+            info, self._last_info = info - self._last_info, info
+        return info
+
+    @override
+    def close(self) -> None:
+        self._touched.clear()
+        self._inflight.clear()
+        self._inflight_bytes = 0
+
+    # -- internals --------------------------------------------------------------------
+
+    def _send(self, mm_hash: str, pin: memoryview | None) -> None:
+        """Keeps the item pinned while its request is on the way to the workers."""
+        if pin is None:
+            pin = self.store.try_get(mm_hash)
+            if pin is None:
+                return  # evicted already: the worker will miss, vLLM resends
+        self._inflight.append((pin, pin.nbytes))
+        self._inflight_bytes += pin.nbytes
+        while len(self._inflight) > 1 and (
+            self._inflight_bytes > self._inflight_budget or len(self._inflight) > _MAX_INFLIGHT
+        ):
+            _, n = self._inflight.popleft()
+            self._inflight_bytes -= n
+        # Bounded bookkeeping: forget prompt updates of items the store no longer holds
+        # (then the oldest), once there are twice as many as the limit allows.
+        if len(self._updates) > 2 * _MAX_UPDATES:
+            for h in [h for h in self._updates if not self.store.contains(h)]:
+                del self._updates[h]
+            while len(self._updates) > _MAX_UPDATES:
+                self._updates.popitem(last=False)
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg)
+
+
+# ----- P1: the workers -----------------------------------------------------------------
+
+
+class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
+    """The worker (P1) cache: markers become the stored items, zero-copy.
+
+    The returned tensors are views of the shared object and keep it pinned while they
+    live. vLLM keeps a request's ``mm_features`` until the request finishes (and the
+    encoder cache holds the encoder's outputs, not these tensors), so an item is pinned
+    by a worker while a request that uses it is running there, and no longer.
+    """
+
+    def __init__(self, vllm_config, shared_worker_lock=None, *, timeout: float = 10.0) -> None:
+        super().__init__()
+        read_only = os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0"
+        self.store = open_store(vllm_config, read_only=read_only)
+        self.timeout = timeout
+        self.cuda_registered = register_with_cuda(self.store)
+
+    @override
+    def get_and_update_features(
+        self, mm_features: list[MultiModalFeatureSpec]
+    ) -> list[MultiModalFeatureSpec]:
+        # data=None: prefix caching covered the item; there is nothing to read.
+        super().get_and_update_features([f for f in mm_features if f.data is not None])
+        return mm_features
+
+    @override
+    def get_and_update_item(
+        self, mm_item: MultiModalKwargsItem | None, mm_hash: str
+    ) -> MultiModalKwargsItem:
+        if not is_marker(mm_item):
+            assert mm_item is not None, f"Expected an item for {mm_hash=}"
+            return mm_item  # sent inline
+        try:
+            arrays = _get_torch_item(self.store, mm_hash, self.timeout)
+        except (_native.NotFound, _native.CreatorDied, _native.Timeout):
+            raise MultiModalCacheMissError([mm_hash]) from None
+        return decode_item(arrays)
+
+    @override
+    def touch_receiver_cache_item(
+        self, mm_hash: str, mm_item: MultiModalKwargsItem | None = None
+    ) -> None:
+        pass  # lookups are by key; there is no handle to validate
+
+    @override
+    def clear_cache(self) -> None:
+        pass  # the front-end's clear_cache empties the one store
+
+
+def _get_torch_item(store, mm_hash: str, timeout: float) -> dict[str, Any]:
+    # Waits only if the item is being created (another front-end is writing it); an
+    # absent item is a miss at once.
+    mv = store.get(mm_hash, timeout, wait_if_absent=False)
+    arrays, meta = _native.decode_item(mv)
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: "buffer is not writable"
+        for name, dt, shape, offset, nbytes in arrays:
+            tdt = getattr(torch, dt)
+            if nbytes == 0:
+                out[name] = torch.empty(shape, dtype=tdt)
+                continue
+            itemsize = torch.empty((), dtype=tdt).element_size()
+            out[name] = torch.frombuffer(mv, dtype=tdt, count=nbytes // itemsize, offset=offset).view(shape)
+    if meta:
+        out["__meta__"] = meta
+    return out
+
+
+def register_with_cuda(store) -> bool:
+    """Registers the store's heap with CUDA (``cudaHostRegister``) in this process, per
+    ``SHMSTORE_VLLM_CUDA_REGISTER`` (``auto``: when a GPU is there). Returns whether it
+    did; never raises for a machine without a GPU."""
+    mode = os.environ.get("SHMSTORE_VLLM_CUDA_REGISTER", "auto")
+    if mode == "0":
+        return False
+    if not torch.cuda.is_available():
+        if mode == "1":
+            logger.warning("shmstore: SHMSTORE_VLLM_CUDA_REGISTER=1 but no GPU is visible; skipped")
+        else:
+            logger.debug("shmstore: no GPU visible; store not registered with CUDA")
+        return False
+    addr, length = store.heap_region
+    # cudaHostRegisterPortable | cudaHostRegisterReadOnly where the mapping is read-only.
+    flags = 1 | (8 if os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0" else 0)
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(addr, length, flags)
+    except Exception as e:  # noqa: BLE001 - any failure means "not registered"
+        logger.warning("shmstore: cudaHostRegister of %.1f GiB failed (%s)", length / (1 << 30), e)
+        return False
+    ok = int(getattr(rc, "value", rc)) == 0
+    if not ok:
+        logger.warning(
+            "shmstore: cudaHostRegister of %.1f GiB returned %s (pinned-memory limit? "
+            "see docs/vllm.md); copies to the GPU stay staged", length / (1 << 30), rc)
+    return ok
+
+
+# ----- activation --------------------------------------------------------------------
+
+
+def enabled() -> bool:
+    return os.environ.get("SHMSTORE_VLLM", "").lower() in ("1", "true", "yes", "force")
+
+
+def applies(vllm_config) -> bool:
+    """Whether shmstore takes this vLLM instance's multimodal cache: a multimodal model,
+    a cache size above 0, ``mm_processor_cache_type == "shm"``, ``SHMSTORE_VLLM`` set,
+    and every worker on this machine (unless ``SHMSTORE_VLLM=force``)."""
+    if not enabled():
+        return False
+    model_config = vllm_config.model_config
+    if model_config is None or not model_config.supports_multimodal_inputs:
+        return False
+    mm_config = model_config.get_multimodal_config()
+    if mm_config.mm_processor_cache_gb <= 0 or mm_config.mm_processor_cache_type != "shm":
+        return False
+    if os.environ.get("SHMSTORE_VLLM", "").lower() == "force":
+        return True
+    pc = vllm_config.parallel_config
+    multi_node = (
+        getattr(pc, "nnodes", 1) > 1
+        or getattr(pc, "data_parallel_size_local", 1) < getattr(pc, "data_parallel_size", 1)
+        or getattr(pc, "distributed_executor_backend", None) == "ray"
+    )
+    if multi_node:
+        _log_once(
+            "multinode",
+            "shmstore: workers may run on other machines (nnodes, remote data-parallel "
+            "ranks or Ray); using vLLM's own cache. SHMSTORE_VLLM=force overrides.",
+        )
+        return False
+    return True
+
+
+_logged: set[str] = set()
+
+
+def _log_once(key: str, msg: str) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(msg)
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: with ``SHMSTORE_VLLM`` set, makes vLLM's
+    cache factories return shmstore's caches. Safe to call any number of times, in any
+    process (vLLM loads plugins in every one)."""
+    if not enabled():
+        return
+    import vllm.multimodal.cache as pkg
+    import vllm.multimodal.cache.factories as factories
+
+    if getattr(factories, "_shmstore_patched", False):
+        return
+    if "SHMSTORE_VLLM_STORE" not in os.environ:
+        # The first process of the instance (the launcher): name the store for every
+        # process it starts, and clean up after instances that crashed.
+        store_name()
+        remove_stale_stores()
+    orig_processor = factories.processor_cache_from_config
+    orig_engine = factories.engine_receiver_cache_from_config
+    orig_worker = factories.worker_receiver_cache_from_config
+
+    def processor_cache_from_config(vllm_config):
+        if applies(vllm_config):
+            return ShmstoreSenderCache(vllm_config)
+        return orig_processor(vllm_config)
+
+    def engine_receiver_cache_from_config(vllm_config):
+        if applies(vllm_config):
+            return None
+        return orig_engine(vllm_config)
+
+    def worker_receiver_cache_from_config(vllm_config, shared_worker_lock=None):
+        if applies(vllm_config):
+            return ShmstoreReceiverCache(vllm_config, shared_worker_lock)
+        return orig_worker(vllm_config, shared_worker_lock)
+
+    patched = {
+        "processor_cache_from_config": processor_cache_from_config,
+        "engine_receiver_cache_from_config": engine_receiver_cache_from_config,
+        "worker_receiver_cache_from_config": worker_receiver_cache_from_config,
+    }
+    # The factories' module, the package that re-exports them, and every module that
+    # imported them by name already (the others import the patched names later).
+    for mod in (factories, pkg, *(sys.modules.get(m) for m in (
+        "vllm.renderers.base", "vllm.v1.engine.core", "vllm.v1.worker.worker_base"))):
+        if mod is None:
+            continue
+        for name, fn in patched.items():
+            if hasattr(mod, name):
+                setattr(mod, name, fn)
+    factories._shmstore_patched = True
+    _log_once("on", f"shmstore: vLLM multimodal cache plugin active (store {store_name()})")

@@ -1,0 +1,450 @@
+"""A vLLM-shaped cluster for tests and the benchmark: one front-end (P0) with a real vLLM
+processor-cache object, worker processes (P1) with the matching receiver, and vLLM's own
+msgpack codec on the wire. The same driver runs vLLM's ``shm`` and ``lru`` caches and
+shmstore's, so their results can be compared item by item.
+
+Per request the driver does what vLLM's processor does (``is_cached``, process the
+missing items, ``touch_sender_cache_item`` for all, ``get_and_update_item`` for each,
+``release_sender_touches``), optionally strips some items to ``data=None`` the way the
+engine does for items covered by the prefix cache, encodes each item with
+``MsgpackEncoder`` and sends it to every worker. A worker decodes with
+``MsgpackDecoder(MultiModalKwargsItem)``, runs ``get_and_update_features`` and answers
+with a digest of every item it got (keys, field kinds and parameters, dtypes, shapes and
+bytes), or with the hashes a ``MultiModalCacheMissError`` named: then the driver
+invalidates them and retries the request, as vLLM's retry path does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import random
+import resource
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+# ----- setup in every process ---------------------------------------------------------
+
+
+def setup_process(env: dict[str, str] | None = None) -> None:
+    """What every process of the cluster does first."""
+    if env:
+        os.environ.update(env)
+    # CPU-only machines: the registry's torch is a CUDA build, so vLLM would pin decoded
+    # tensors, which fails without a driver (ANCHORS.md). vLLM's workers use one thread.
+    import vllm.v1.serial_utils as su
+
+    su.PIN_MEMORY = False
+    torch.set_num_threads(1)
+
+
+class StubModelConfig:
+    """What the cache classes read of vLLM's ModelConfig (as vLLM's own cache tests do)."""
+
+    supports_multimodal_inputs = True
+
+    def __init__(self, mm):
+        self._mm = mm
+
+    def get_multimodal_config(self):
+        return self._mm
+
+
+def make_config(
+    *,
+    cache_mb: float = 64,
+    max_object_mb: int = 8,
+    world_size: int = 1,
+    data_parallel: int = 1,
+    api_servers: int = 1,
+) -> SimpleNamespace:
+    mm = SimpleNamespace(
+        mm_processor_cache_gb=cache_mb / 1024,
+        mm_shm_cache_max_object_size_mb=max_object_mb,
+        mm_processor_cache_type="shm",
+    )
+    pc = SimpleNamespace(
+        world_size=world_size,
+        data_parallel_size=data_parallel,
+        data_parallel_size_local=data_parallel,
+        data_parallel_external_lb=False,
+        _api_process_count=api_servers,
+        nnodes=1,
+        distributed_executor_backend="mp",
+    )
+    return SimpleNamespace(model_config=StubModelConfig(mm), parallel_config=pc)
+
+
+# ----- items ----------------------------------------------------------------------------
+
+
+def _seed(h: str) -> int:
+    return int.from_bytes(hashlib.blake2b(h.encode(), digest_size=8).digest(), "little")
+
+
+def make_item(h: str, *, scale: float = 1.0, kind: str | None = None):
+    """A deterministic ``MultiModalKwargsItem`` for hash ``h``, shaped like vLLM inputs:
+    a Qwen2-VL-style image (flat float32 ``pixel_values`` + batched ``image_grid_thw``),
+    a video (bfloat16 ``pixel_values_videos``), a list of tensors of different shapes
+    with plain numbers, or an item with a shared field. ``scale`` scales the sizes; a
+    hash ending in ``!`` makes an item of 12 MiB (oversize for small test caches)."""
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFieldElem,
+        MultiModalFlatField,
+        MultiModalKwargsItem,
+        MultiModalSharedField,
+    )
+
+    g = torch.Generator().manual_seed(_seed(h) % (1 << 62))
+    kind = kind or ("image", "video", "nested", "shared")[_seed(h) % 4]
+    if h.endswith("!"):
+        kind, scale = "image", 12 / 1.2  # ~12 MiB
+    if kind == "image":
+        n = max(4, int(256 * scale))
+        pix = torch.randn(n, 1176, generator=g)
+        return MultiModalKwargsItem(
+            {
+                "pixel_values": MultiModalFieldElem(
+                    data=pix, field=MultiModalFlatField(slices=[slice(0, n)], dim=0)
+                ),
+                "image_grid_thw": MultiModalFieldElem(
+                    data=torch.tensor([1, n // 4, 4]), field=MultiModalBatchedField()
+                ),
+            }
+        )
+    if kind == "video":
+        n = max(4, int(192 * scale))
+        vid = torch.randn(n, 1176, generator=g).to(torch.bfloat16)
+        return MultiModalKwargsItem(
+            {
+                "pixel_values_videos": MultiModalFieldElem(
+                    data=vid, field=MultiModalFlatField(slices=[slice(0, n)], dim=0)
+                ),
+                "video_grid_thw": MultiModalFieldElem(
+                    data=torch.tensor([2, n // 8, 4]), field=MultiModalBatchedField()
+                ),
+            }
+        )
+    if kind == "nested":
+        m = max(2, int(64 * scale))
+        parts = [torch.randn(m + i, 16, generator=g) for i in range(3)]
+        return MultiModalKwargsItem(
+            {
+                "frames": MultiModalFieldElem(
+                    data=[parts[0], [parts[1], parts[2]]],
+                    field=MultiModalBatchedField(keep_on_cpu=True),
+                ),
+                "fps": MultiModalFieldElem(data=2.5, field=MultiModalBatchedField()),
+            }
+        )
+    m = max(2, int(128 * scale))
+    return MultiModalKwargsItem(
+        {
+            "audio": MultiModalFieldElem(
+                data=torch.randint(-1000, 1000, (m, 64), generator=g, dtype=torch.int16),
+                field=MultiModalSharedField(batch_size=2),
+            ),
+        }
+    )
+
+
+def _digest_into(m, x) -> None:
+    if isinstance(x, torch.Tensor):
+        m.update(f"T{x.dtype}{tuple(x.shape)}".encode())
+        m.update(x.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    elif isinstance(x, (list, tuple)):
+        m.update(f"{type(x).__name__}{len(x)}".encode())
+        for e in x:
+            _digest_into(m, e)
+    else:
+        m.update(repr(x).encode())
+
+
+def digest(item) -> str:
+    """Keys, field kinds with their parameters, and every tensor's dtype, shape, bytes."""
+    m = hashlib.blake2b(digest_size=16)
+    for k in sorted(item):
+        elem = item[k]
+        m.update(k.encode())
+        m.update(repr(elem.field).encode())
+        _digest_into(m, elem.data)
+    return m.hexdigest()
+
+
+# ----- the cache classes under test ---------------------------------------------------
+
+
+def make_sender(kind: str, config):
+    if kind == "shmstore":
+        from shmstore.vllm import ShmstoreSenderCache
+
+        return ShmstoreSenderCache(config)
+    if kind == "vllm-shm":
+        from vllm.multimodal.cache.shm import ShmObjectStoreSenderCache
+
+        return ShmObjectStoreSenderCache(config)
+    if kind == "vllm-lru":
+        from vllm.multimodal.cache.lru import LruKeyReplicatedSenderCache
+
+        return LruKeyReplicatedSenderCache(config.model_config)
+    raise ValueError(kind)
+
+
+def make_receiver(kind: str, config, lock):
+    if kind == "shmstore":
+        from shmstore.vllm import ShmstoreReceiverCache
+
+        return ShmstoreReceiverCache(config)
+    if kind == "vllm-shm":
+        from vllm.multimodal.cache.shm import ShmObjectStoreReceiverCache
+
+        return ShmObjectStoreReceiverCache(config, lock)
+    if kind == "vllm-lru":
+        # vLLM keeps the mirrored receiver in the engine core and broadcasts items to the
+        # workers; here each worker keeps one (same mirror, same results).
+        from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache
+
+        return LruKeyReplicatedReceiverCache(config.model_config)
+    raise ValueError(kind)
+
+
+def is_inline(kind: str, item) -> bool:
+    """Whether the front-end sent the item's data itself rather than a reference."""
+    if item is None:
+        return False  # vLLM's lru: cached on the other side
+    if kind == "shmstore":
+        from shmstore.vllm import is_marker
+
+        return not is_marker(item)
+    if kind == "vllm-shm":
+        return "address" not in item
+    return True
+
+
+# ----- a worker process -----------------------------------------------------------------
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def worker_main(kind: str, config, conn, lock, env: dict[str, str]) -> None:
+    setup_process(env)
+    from vllm.multimodal.cache.base import MultiModalCacheMissError
+    from vllm.multimodal.inputs import (
+        MultiModalFeatureSpec,
+        MultiModalKwargsItem,
+        PlaceholderRange,
+    )
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    receiver = make_receiver(kind, config, lock)
+    decoder = MsgpackDecoder(MultiModalKwargsItem)
+    conn.send(("ready", os.getpid()))
+    held: list[Any] = []
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        if msg == "cpu":
+            conn.send(("cpu", _cpu_s()))
+            continue
+        req, entries, mode = msg
+        features = []
+        for h, nbufs in entries:
+            data = None
+            if nbufs:
+                data = decoder.decode([conn.recv_bytes() for _ in range(nbufs)])
+            features.append(
+                MultiModalFeatureSpec(
+                    data=data,
+                    modality="image",
+                    identifier=h,
+                    mm_position=PlaceholderRange(offset=0, length=1),
+                    mm_hash=h,
+                )
+            )
+        if mode == "pause":
+            conn.send(("paused", req, None))  # the test changes the store meanwhile
+            conn.recv()
+        try:
+            receiver.get_and_update_features(features)
+        except MultiModalCacheMissError as e:
+            conn.send(("miss", req, list(e.mm_hashes)))
+            continue
+        if mode == "fast":
+            # What a worker does next: hold torch tensors (no digest, for timing).
+            held = [f.data for f in features]
+            conn.send(("ok", req, None))
+            continue
+        digests = [None if f.data is None else digest(f.data) for f in features]
+        if mode == "hold":
+            held.append(features)  # keep the tensors (and their pins)
+            conn.send(("holding", req, digests))
+            conn.recv()  # killed before anything comes
+        conn.send(("ok", req, digests))
+    del held
+
+
+# ----- the front-end driver -------------------------------------------------------------
+
+
+class Cluster:
+    """One front-end in this process and ``n_workers`` worker processes."""
+
+    def __init__(
+        self,
+        kind: str,
+        config,
+        n_workers: int,
+        *,
+        method: str = "spawn",
+        env: dict[str, str] | None = None,
+        sender=None,
+        item_scale: float = 1.0,
+    ):
+        self.kind, self.config = kind, config
+        self.env = dict(env or {})
+        self.item_scale = item_scale
+        setup_process(self.env)
+        self.ctx = mp.get_context(method)
+        self.lock = self.ctx.Lock()
+        self.sender = sender if sender is not None else make_sender(kind, config)
+        from vllm.v1.serial_utils import MsgpackEncoder
+
+        self.encoder = MsgpackEncoder()
+        self.workers: list[tuple[Any, Any]] = []
+        for _ in range(n_workers):
+            self.workers.append(self._start_worker())
+        self.processed: dict[str, int] = {}
+        self.stripped = 0
+        self.inline = 0
+        self.retries = 0
+
+    def _start_worker(self):
+        parent, child = self.ctx.Pipe()
+        p = self.ctx.Process(
+            target=worker_main, args=(self.kind, self.config, child, self.lock, self.env)
+        )
+        p.start()
+        tag, _pid = parent.recv()
+        assert tag == "ready"
+        return p, parent
+
+    def replace_worker(self, i: int) -> None:
+        """Starts a new worker in place of worker ``i`` (after it was killed)."""
+        p, conn = self.workers[i]
+        p.join(10)
+        conn.close()
+        self.workers[i] = self._start_worker()
+
+    def _encode(self, item) -> list:
+        return list(self.encoder.encode(item))
+
+    def send(self, hashes: list[str], strip: set[int] = frozenset(), mode: str = "digest", to=None):
+        """One pass of a request through the sender: returns what each item became."""
+        sender = self.sender
+        cached = sender.is_cached(hashes)
+        new = {}
+        for h, c in zip(hashes, cached):
+            if not c and h not in new:
+                new[h] = (make_item(h, scale=self.item_scale), [f"updates-{h}"])
+                self.processed[h] = self.processed.get(h, 0) + 1
+        for h in hashes:
+            sender.touch_sender_cache_item(h)
+        outs = []
+        try:
+            for h in hashes:
+                item, updates = sender.get_and_update_item(new.get(h), h)
+                assert list(updates) == [f"updates-{h}"]
+                outs.append(item)
+        finally:
+            sender.release_sender_touches()
+        bufs = []
+        for i, item in enumerate(outs):
+            if i in strip:
+                bufs.append(None)
+                self.stripped += 1
+            else:
+                self.inline += is_inline(self.kind, item)
+                bufs.append(self._encode(item))
+        req = random.random()
+        targets = range(len(self.workers)) if to is None else to
+        for w in targets:
+            conn = self.workers[w][1]
+            conn.send((req, [(h, 0 if b is None else len(b)) for h, b in zip(hashes, bufs)], mode))
+            for b in bufs:
+                for chunk in b or ():
+                    conn.send_bytes(chunk)
+        return req, list(targets)
+
+    def collect(self, req, targets):
+        out = {}
+        for w in targets:
+            tag, got, payload = self.workers[w][1].recv()
+            assert got == req, (tag, got, req)
+            out[w] = (tag, payload)
+        return out
+
+    def request(self, hashes: list[str], strip: set[int] = frozenset(), mode: str = "digest"):
+        """A request, retried after misses the way vLLM's retry path does. Returns each
+        worker's digests (None where the item was stripped)."""
+        for _ in range(6):
+            req, targets = self.send(hashes, strip, mode)
+            res = self.collect(req, targets)
+            misses = {h for tag, p in res.values() if tag == "miss" for h in p}
+            if not misses:
+                return {w: p for w, (tag, p) in res.items()}
+            self.retries += 1
+            for h in misses:
+                self.sender.invalidate(h)
+        raise AssertionError(f"request {hashes} still missed after 5 retries")
+
+    def worker_cpu(self) -> list[float]:
+        out = []
+        for _, conn in self.workers:
+            conn.send("cpu")
+            out.append(conn.recv()[1])
+        return out
+
+    def close(self) -> None:
+        for p, conn in self.workers:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p, conn in self.workers:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+        if hasattr(self.sender, "close"):
+            self.sender.close()
+
+
+def expected(hashes: list[str], strip=frozenset(), scale: float = 1.0) -> list[str | None]:
+    return [None if i in strip else digest(make_item(h, scale=scale)) for i, h in enumerate(hashes)]
+
+
+def random_stream(seed: int, n_requests: int, pool: int, *, oversize_every: int = 0):
+    """Requests of 1 to 4 items over a pool of hashes, hot items more often (so items are
+    hit, evicted and re-sent), now and then an oversize one."""
+    rng = random.Random(seed)
+    hot = [f"h{seed}-{i}" for i in range(pool)]
+    for r in range(n_requests):
+        n = rng.randint(1, 4)
+        hashes = [hot[min(int(rng.paretovariate(1.2)) - 1, pool - 1)] if rng.random() < 0.7
+                  else rng.choice(hot) for _ in range(n)]
+        if oversize_every and r % oversize_every == oversize_every - 1:
+            hashes.append(f"big{seed}-{r}!")
+        strip = {i for i in range(len(hashes)) if rng.random() < 0.1}
+        yield hashes, strip
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,111 @@
+"""The item format: every vLLM field kind and parameter, dtypes (bfloat16 exact), nesting,
+zero-copy on the way back; the marker through vLLM's msgpack; the inline fallback."""
+
+import gc
+
+import pytest
+import torch
+from harness import digest, make_config, make_item
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFieldElem,
+    MultiModalFlatField,
+    MultiModalKwargsItem,
+    MultiModalSharedField,
+)
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+import shmstore
+from shmstore import vllm as sv
+
+
+def roundtrip(store, item, key="k"):
+    arrays, meta = sv.encode_item(item)
+    shmstore.put_item(store, key, arrays, meta)
+    return sv.decode_item(sv._get_torch_item(store, key, 1.0))
+
+
+@pytest.fixture
+def store(store_env):
+    return sv.open_store(make_config())
+
+
+@pytest.mark.parametrize("kind", ["image", "video", "nested", "shared"])
+def test_every_item_shape_comes_back_equal_field_by_field(store, kind):
+    item = make_item(f"x-{kind}", kind=kind)
+    back = roundtrip(store, item, kind)
+    assert digest(back) == digest(item)
+    for k in item:
+        assert back[k].field == item[k].field  # kind and every parameter
+        assert back[k] == item[k]
+
+
+def test_field_parameters_slices_dims_and_keep_on_cpu_survive(store):
+    t = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    item = MultiModalKwargsItem(
+        {
+            "flat2": MultiModalFieldElem(
+                data=t, field=MultiModalFlatField(slices=[[slice(0, 3), slice(2, 5)]], dim=1)
+            ),
+            "flat": MultiModalFieldElem(
+                data=t[:, :4], field=MultiModalFlatField(slices=[slice(1, None, 2)], dim=-1)
+            ),
+            "shared": MultiModalFieldElem(
+                data=torch.ones(3, dtype=torch.bool),
+                field=MultiModalSharedField(batch_size=7, keep_on_cpu=True),
+            ),
+            "num": MultiModalFieldElem(data=3, field=MultiModalBatchedField()),
+            "tup": MultiModalFieldElem(
+                data=(torch.zeros(2, dtype=torch.int8), torch.ones((), dtype=torch.float64)),
+                field=MultiModalBatchedField(),
+            ),
+            "empty": MultiModalFieldElem(data=torch.empty(0, 5), field=MultiModalBatchedField()),
+        }
+    )
+    back = roundtrip(store, item)
+    assert digest(back) == digest(item)
+    assert back["flat2"].field.slices == [[slice(0, 3), slice(2, 5)]]
+    assert back["flat"].field.dim == -1 and back["shared"].field.batch_size == 7
+    assert back["shared"].field.keep_on_cpu
+    assert isinstance(back["tup"].data, tuple) and back["num"].data == 3
+
+
+def test_bfloat16_is_exact_and_tensors_are_zero_copy_and_pinned(store):
+    bf = torch.randn(64, 33).to(torch.bfloat16)
+    item = MultiModalKwargsItem({"v": MultiModalFieldElem(data=bf, field=MultiModalBatchedField())})
+    back = roundtrip(store, item, "bf")
+    assert back["v"].data.dtype == torch.bfloat16
+    assert torch.equal(back["v"].data.view(torch.int16), bf.view(torch.int16))
+    addr, length = store.heap_region
+    assert addr <= back["v"].data.data_ptr() < addr + length, "the tensor is the shared bytes"
+    assert store.stats()["pins"] == 1
+    store.delete("bf")
+    assert store.stats()["draining"] == 1  # the tensor keeps the object
+    del back
+    gc.collect()
+    assert store.stats()["draining"] == 0
+
+
+def test_the_marker_is_the_key_alone_and_survives_vllms_msgpack():
+    m = sv.marker_item()
+    assert set(m) == {sv.MARKER} and m[sv.MARKER].data == sv.FORMAT
+    bufs = MsgpackEncoder().encode(m)
+    assert sum(len(b) for b in bufs) < 64, "no address, no signature, no data"
+    back = MsgpackDecoder(MultiModalKwargsItem).decode(bufs)
+    assert back == m and sv.is_marker(back)
+
+
+def test_items_it_cannot_hold_go_inline_with_one_log_line(store_env, caplog):
+    sender = sv.ShmstoreSenderCache(make_config(max_object_mb=1))
+    odd = MultiModalKwargsItem(
+        {"c": MultiModalFieldElem(data=torch.zeros(2, dtype=torch.complex64), field=MultiModalBatchedField())}
+    )
+    for h in ("a", "b"):
+        out, updates = sender.get_and_update_item((odd, ["u"]), f"odd-{h}")
+        assert out is odd and updates == ["u"]
+    big = make_item("big!")  # 12 MiB > 1 MiB
+    out, _ = sender.get_and_update_item((big, ["u"]), "big!")
+    assert out is big
+    assert sum("goes inline" in r.message for r in caplog.records) == 2
+    assert not sender.is_cached_item("odd-a")
+    sender.close()

@@ -1,0 +1,175 @@
+"""Real worker processes, vLLM's msgpack on the wire, vLLM's request flow: the same random
+request stream through vLLM's shm cache and through shmstore's, the miss path, two
+front-ends on one store, forked and spawned workers, workers and front-ends killed."""
+
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+from harness import Cluster, expected, make_config, make_item, random_stream, setup_process
+
+import shmstore
+from shmstore import vllm as sv
+
+
+def run_stream(kind, n_workers, env, *, method="spawn", seed=7, n=50):
+    config = make_config(cache_mb=24, max_object_mb=8, world_size=n_workers)
+    c = Cluster(kind, config, n_workers, method=method, env=env, item_scale=2.0)
+    try:
+        for hashes, strip in random_stream(seed, n, pool=30, oversize_every=17):
+            got = c.request(hashes, strip)
+            want = expected(hashes, strip, scale=2.0)
+            for w, digests in got.items():
+                assert digests == want, f"{kind}: worker {w} saw other items for {hashes}"
+        return c.processed, c.stripped, c.inline, c.retries
+    finally:
+        c.close()
+
+
+def test_the_same_stream_through_vllms_shm_cache_and_shmstores_gives_every_worker_equal_items(store_env):
+    ours = run_stream("shmstore", 2, store_env)
+    theirs = run_stream("vllm-shm", 2, store_env)
+    for processed, stripped, inline, _ in (ours, theirs):
+        assert stripped > 0, "some items were stripped (data=None, prefix caching)"
+        assert inline > 0, "oversize items went inline"
+    resent = [h for h, k in ours[0].items() if k > 1]
+    assert resent, "some items were evicted and sent again"
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_forked_and_spawned_workers(store_env, method):
+    processed, _, _, retries = run_stream("shmstore", 2, store_env, method=method, n=20)
+    assert processed
+
+
+def test_a_missing_item_raises_vllms_miss_error_with_every_missing_hash_and_a_resend_recovers(store_env):
+    c = Cluster("shmstore", make_config(world_size=1), 1, env=store_env)
+    try:
+        hashes = ["m1", "m2", "m3"]
+        assert c.request(hashes)[0] == expected(hashes)
+        # Sent, then gone before the worker looks (deleted by another process, say).
+        req, targets = c.send(hashes, mode="pause")
+        assert c.workers[0][1].recv()[0] == "paused"
+        for h in ("m1", "m3"):
+            c.sender.store.delete(h)
+        c.workers[0][1].send("go")
+        (tag, missing), = c.collect(req, targets).values()
+        assert tag == "miss" and sorted(missing) == ["m1", "m3"]
+        for h in missing:
+            c.sender.invalidate(h)
+        assert not c.sender.inline_only, "the store did not hold them: a plain miss"
+        assert c.request(hashes)[0] == expected(hashes)
+        assert c.processed == {"m1": 2, "m2": 1, "m3": 2}
+    finally:
+        c.close()
+
+
+def _frontend(env, seed, n, conn):
+    """A second front-end process (data parallel): its own sender and 2 workers."""
+    setup_process(env)
+    c = Cluster("shmstore", make_config(world_size=2, data_parallel=2), 2, env=env)
+    ok = True
+    try:
+        for hashes, strip in random_stream(seed, n, pool=20):
+            got = c.request(hashes, strip)
+            ok &= all(d == expected(hashes, strip) for d in got.values())
+    finally:
+        c.close()
+    conn.send((ok, c.processed))
+
+
+def test_two_front_ends_with_four_workers_share_one_store_and_the_first_put_wins(store_env):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    # Both front-ends draw from the same pool of items (same seed), in different orders.
+    other = ctx.Process(target=_frontend, args=(store_env, 3, 40, child))
+    other.start()
+    c = Cluster("shmstore", make_config(world_size=2, data_parallel=2), 2, env=store_env)
+    try:
+        for hashes, strip in reversed(list(random_stream(3, 40, pool=20))):
+            got = c.request(hashes, strip)
+            assert all(d == expected(hashes, strip) for d in got.values())
+    finally:
+        c.close()
+    ok, their_processed = parent.recv()
+    other.join(60)
+    assert ok and other.exitcode == 0
+    store = c.sender.store
+    assert store.stats()["dead_clients"] == 0
+    assert not any(state == "creating" for _, _, state, _ in store.list())
+
+
+def test_a_worker_killed_mid_request_costs_only_its_own_pins(store_env):
+    c = Cluster("shmstore", make_config(world_size=2), 2, env=store_env)
+    try:
+        hashes = ["k1", "k2"]
+        req, _ = c.send(hashes, mode="hold", to=[0])
+        tag, _, digests = c.workers[0][1].recv()
+        assert tag == "holding" and digests == expected(hashes)
+        store = c.sender.store
+        pins_before = store.stats()["pins"]
+        os.kill(c.workers[0][0].pid, signal.SIGKILL)
+        c.replace_worker(0)
+        store.recover()
+        assert store.stats()["pins"] < pins_before, "the dead worker's pins are gone"
+        assert store.stats()["dead_clients"] == 0
+        # Both workers (the replacement too) keep going.
+        for hashes, strip in random_stream(11, 15, pool=10):
+            assert all(d == expected(hashes, strip) for d in c.request(hashes, strip).values())
+    finally:
+        c.close()
+
+
+def _doomed_frontend(env, conn):
+    """A front-end that stops forever in the middle of writing an item."""
+    setup_process(env)
+    sender = sv.ShmstoreSenderCache(make_config())
+    item = make_item("half-written")
+    arrays, meta = sv.encode_item(item)
+    plan = shmstore._native.plan_item(
+        [(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in arrays.items()], meta
+    )
+    creation = sender.store.create_object("half-written", plan[2])
+    conn.send("writing")
+    conn.recv()  # killed here
+    del creation
+
+
+def test_a_front_end_killed_mid_put_and_restarted(store_env):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    doomed = ctx.Process(target=_doomed_frontend, args=(store_env, child))
+    doomed.start()
+    assert parent.recv() == "writing"
+    doomed.kill()
+    doomed.join()
+    # The restarted front-end (this process) recovers the dead one's unsealed object and
+    # serves the same item; the workers read it.
+    c = Cluster("shmstore", make_config(world_size=2), 2, env=store_env)
+    try:
+        store = c.sender.store
+        store.recover()
+        assert store.stats()["creating"] == 0
+        for hashes in (["half-written", "other"], ["half-written"]):
+            assert all(d == expected(hashes) for d in c.request(hashes).values())
+    finally:
+        c.close()
+
+
+def test_stalled_worker_blocks_nothing_but_its_own_items(store_env):
+    # A worker that holds an item forever; the front-end streams far more than the store
+    # holds: everything else keeps being evicted and re-sent around the held item.
+    c = Cluster("shmstore", make_config(cache_mb=16, world_size=2), 2, env=store_env, item_scale=2.0)
+    try:
+        req, _ = c.send(["stuck"], mode="hold", to=[0])
+        assert c.workers[0][1].recv()[0] == "holding"
+        stalled, _ = c.workers.pop(0)  # worker 0 stalls from now on
+        for i in range(40):
+            hashes = [f"flow-{i}-{j}" for j in range(2)]
+            assert c.request(hashes)[0] == expected(hashes, scale=2.0)
+        assert c.sender.store.stats()["evictions"] > 20
+        assert c.sender.store.contains("stuck"), "the stalled worker's item stays"
+    finally:
+        stalled.kill()
+        c.close()
