@@ -24,10 +24,11 @@ if ! "$venv/bin/python" -c "import vllm.multimodal.cache, vllm.v1.serial_utils" 
 fi
 "${pip[@]}" "maturin>=1.7,<2" "pytest>=7"
 (cd python && VIRTUAL_ENV=$venv "$venv/bin/maturin" develop --release -q)
-export PYTHONPATH=$PWD/python/tests${PYTHONPATH:+:$PYTHONPATH}
 case "${1:-}" in
   "") echo "installed: $venv/bin/python -c 'import vllm, shmstore.vllm'" ;;
-  test) shift; "$venv/bin/python" -m pytest -q python/tests python/tests_vllm "$@" ;;
+  # Two runs: each suite has a conftest module of its own.
+  test) shift; "$venv/bin/python" -m pytest -q python/tests "$@"
+        "$venv/bin/python" -m pytest -q python/tests_vllm "$@" ;;
   bench) shift; "$venv/bin/python" python/benchmarks/vllm_cache.py "$@" ;;
   *) echo "usage: scripts/vllm.sh [test|bench]" >&2; exit 2 ;;
 esac

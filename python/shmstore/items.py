@@ -91,6 +91,23 @@ def _write(dst_mv: memoryview, offset: int, nbytes: int, dt: str, shape, value) 
     del dst
 
 
+def _contiguous_bytes(value):
+    """A buffer of the array's bytes without copying, if it is C-contiguous and on the
+    CPU; None otherwise (then ``put_item`` copies it element-wise, strides and all)."""
+    if _is_torch(value):
+        if value.device.type != "cpu" or not value.is_contiguous():
+            return None
+        import torch
+
+        t = value.detach()
+        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: the same bytes as int16
+            t = t.view(torch.int16)
+        return t.numpy()
+    if np is not None and isinstance(value, np.ndarray) and value.flags.c_contiguous:
+        return value
+    return None
+
+
 def put_item(
     store: _native.Store,
     key,
@@ -107,6 +124,13 @@ def put_item(
     the key is present (items are immutable; delete first to replace).
     """
     specs = [_describe(str(k), v) for k, v in arrays.items()]
+    flat = [_contiguous_bytes(v) for v in arrays.values()]
+    if all(b is not None for b in flat):
+        # Every array is C-contiguous: one native call plans, creates, copies and seals.
+        _native.put_item_buffers(
+            store, key, [(*spec, b) for spec, b in zip(specs, flat)], dict(meta or {}), timeout
+        )
+        return
     header, placements, total = _native.plan_item(list(specs), dict(meta or {}))
     c = store.create_object(key, total, timeout=timeout)
     try:

@@ -34,10 +34,12 @@ Settings (environment):
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
 import sys
+import threading
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -87,6 +89,10 @@ _TORCH_DTYPES = {
     torch.bool,
 }
 _MiB = 1 << 20
+_ITEMSIZE = {str(t).removeprefix("torch."): torch.empty((), dtype=t).element_size() for t in _TORCH_DTYPES}
+# Views of read-only shared memory: torch warns that the buffer is not writable (by design:
+# a write faults in a read-only attach). Said once in the docs instead of per tensor.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 #: Most sends kept pinned on their way to the workers (the byte budget usually binds).
 _MAX_INFLIGHT = 4096
 #: Prompt updates kept per front-end (items it can report cached without reprocessing).
@@ -105,18 +111,24 @@ class Unsupported(ValueError):
 # ----- the item format ---------------------------------------------------------------
 
 
-def _field_kind(field) -> tuple[str, dict[str, Any]]:
-    from vllm.v1.serial_utils import MMF_CLASS_TO_FACTORY
-
-    name = MMF_CLASS_TO_FACTORY.get(type(field))
-    if name not in _FIELD_KINDS:
-        raise Unsupported("field", f"field type {type(field).__name__}")
+@functools.lru_cache(maxsize=None)
+def _field_layout(cls) -> tuple[str | None, tuple[str, ...]]:
+    """A field class's factory name (vLLM's own table) and the names of its parameters."""
     import dataclasses
 
+    from vllm.v1.serial_utils import MMF_CLASS_TO_FACTORY
+
+    return MMF_CLASS_TO_FACTORY.get(cls), tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _field_kind(field) -> tuple[str, dict[str, Any]]:
+    name, params = _field_layout(type(field))
+    if name not in _FIELD_KINDS:
+        raise Unsupported("field", f"field type {type(field).__name__}")
     kw = {}
-    for f in dataclasses.fields(field):
-        v = getattr(field, f.name)
-        kw[f.name] = _slices_out(v) if f.name == "slices" else v
+    for p in params:
+        v = getattr(field, p)
+        kw[p] = _slices_out(v) if p == "slices" else v
     return name, kw
 
 
@@ -172,13 +184,30 @@ def encode_item(item: MultiModalKwargsItem) -> tuple[dict[str, torch.Tensor], di
     return arrays, {_STRUCTURE: structure}
 
 
+@functools.lru_cache(maxsize=4096)
+def _structure(text: str):
+    """A parsed item structure, with its fields built: items of one model repeat a
+    handful of structures, so parsing them once per worker is enough (fields are frozen
+    dataclasses, safe to share)."""
+    structure = json.loads(text)
+    if structure.get("v") != FORMAT:
+        raise ValueError(f"shmstore item format {structure.get('v')}, expected {FORMAT}")
+    keys = []
+    for k in structure["keys"]:
+        kind, kw = k["field"]
+        if kind not in _FIELD_KINDS:
+            raise ValueError(f"unknown field kind {kind!r} in a shmstore item")
+        kw = dict(kw)
+        if "slices" in kw:
+            kw["slices"] = _slices_in(kw["slices"])
+        keys.append((k["k"], getattr(MultiModalFieldConfig, kind)("", **kw).field, k["data"]))
+    return keys
+
+
 def decode_item(arrays: dict[str, Any]) -> MultiModalKwargsItem:
     """The ``MultiModalKwargsItem`` an item holds, its tensors being ``arrays``'s
     (zero-copy views of the shared object, as ``get_item(..., as_torch=True)`` returns)."""
     meta = arrays.get("__meta__") or {}
-    structure = json.loads(meta[_STRUCTURE])
-    if structure.get("v") != FORMAT:
-        raise ValueError(f"shmstore item format {structure.get('v')}, expected {FORMAT}")
 
     def data_in(x):
         if x is None:
@@ -194,17 +223,9 @@ def decode_item(arrays: dict[str, Any]) -> MultiModalKwargsItem:
             return tuple(data_in(e) for e in v)
         raise ValueError(f"unknown tag {tag!r} in a shmstore item")
 
-    out = {}
-    for k in structure["keys"]:
-        kind, kw = k["field"]
-        if kind not in _FIELD_KINDS:
-            raise ValueError(f"unknown field kind {kind!r} in a shmstore item")
-        kw = dict(kw)
-        if "slices" in kw:
-            kw["slices"] = _slices_in(kw["slices"])
-        field = getattr(MultiModalFieldConfig, kind)("", **kw).field
-        out[k["k"]] = MultiModalFieldElem(data=data_in(k["data"]), field=field)
-    return MultiModalKwargsItem(out)
+    return MultiModalKwargsItem(
+        {key: MultiModalFieldElem(data=data_in(d), field=field) for key, field, d in _structure(meta[_STRUCTURE])}
+    )
 
 
 def marker_item() -> MultiModalKwargsItem:
@@ -327,6 +348,13 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         super().__init__()
         mm_config = vllm_config.model_config.get_multimodal_config()
         self.store = open_store(vllm_config)
+        # Map the whole store into this process's page tables in the background, so that
+        # puts into fresh blocks copy at warm speed (the pages exist: the store reserved
+        # them at creation; each process still takes a fault per page on first touch).
+        self._prefault = threading.Thread(
+            target=self.store.prefault, name="shmstore-prefault", daemon=True
+        )
+        self._prefault.start()
         self.max_object_size = int(mm_config.mm_shm_cache_max_object_size_mb * _MiB)
         self._updates: collections.OrderedDict[str, Sequence[Any]] = collections.OrderedDict()
         self._touched: dict[str, memoryview] = {}
@@ -451,6 +479,12 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
             info, self._last_info = info - self._last_info, info
         return info
 
+    def wait_prefaulted(self, timeout: float | None = None) -> bool:
+        """Waits until this process has mapped the whole store (started at init, in the
+        background); returns whether it has. For benchmarks and tests."""
+        self._prefault.join(timeout)
+        return not self._prefault.is_alive()
+
     @override
     def close(self) -> None:
         self._touched.clear()
@@ -543,15 +577,12 @@ def _get_torch_item(store, mm_hash: str, timeout: float) -> dict[str, Any]:
     mv = store.get(mm_hash, timeout, wait_if_absent=False)
     arrays, meta = _native.decode_item(mv)
     out: dict[str, Any] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch: "buffer is not writable"
-        for name, dt, shape, offset, nbytes in arrays:
-            tdt = getattr(torch, dt)
-            if nbytes == 0:
-                out[name] = torch.empty(shape, dtype=tdt)
-                continue
-            itemsize = torch.empty((), dtype=tdt).element_size()
-            out[name] = torch.frombuffer(mv, dtype=tdt, count=nbytes // itemsize, offset=offset).view(shape)
+    for name, dt, shape, offset, nbytes in arrays:
+        tdt = getattr(torch, dt)
+        if nbytes == 0:
+            out[name] = torch.empty(shape, dtype=tdt)
+            continue
+        out[name] = torch.frombuffer(mv, dtype=tdt, count=nbytes // _ITEMSIZE[dt], offset=offset).view(shape)
     if meta:
         out["__meta__"] = meta
     return out

@@ -747,7 +747,9 @@ impl PyStore {
                         store.get_existing(&id, slice)
                     }
                 };
-                sliced(py, t, &wait, |e| matches!(e, shmstore::Error::Timeout { .. }))?
+                sliced(py, t, &wait, |e| {
+                    matches!(e, shmstore::Error::Timeout { .. })
+                })?
             }
             Err(e) => return Err(err(e)),
         };
@@ -833,6 +835,13 @@ impl PyStore {
         self.s.path().map(|p| p.display().to_string())
     }
 
+    /// Populates this process's page tables for the whole store, without the GIL (so that
+    /// first writes into fresh blocks take no page faults); run it on a background thread
+    /// for large stores.
+    fn prefault(&self, py: Python<'_>) {
+        py.allow_threads(|| self.s.prefault())
+    }
+
     /// `(address, length)` of the store's payload heap in this process (for
     /// `cudaHostRegister`; read-only pages in a read-only attach).
     #[getter]
@@ -899,6 +908,67 @@ fn dtype(name: &str) -> PyResult<DType> {
              int64, int32, int16, int8, uint8, bool)"
         ))
     })
+}
+
+/// Writes a whole tensor item in one call: `arrays` is a list of (name, dtype name,
+/// shape, buffer) where each buffer is C-contiguous and holds exactly that array's bytes
+/// (a numpy array, or a torch tensor's `.numpy()`; bfloat16 as any 2-byte view). Plans the
+/// header, creates the object, copies header and arrays, seals: one copy per array, no
+/// Python per array, and without the GIL while it creates and copies.
+#[pyfunction]
+#[pyo3(signature = (store, id, arrays, meta, timeout=None))]
+fn put_item_buffers(
+    py: Python<'_>,
+    store: &PyStore,
+    id: &Bound<'_, PyAny>,
+    arrays: &Bound<'_, PyList>,
+    meta: &Bound<'_, PyDict>,
+    timeout: Option<f64>,
+) -> PyResult<()> {
+    let id = object_id(id)?;
+    let mut specs = Vec::with_capacity(arrays.len());
+    let mut bufs = Vec::with_capacity(arrays.len());
+    for a in arrays.iter() {
+        let (name, dt, shape, obj): (String, String, Vec<u64>, Bound<'_, PyAny>) = a.extract()?;
+        specs.push(ArraySpec {
+            name,
+            dtype: dtype(&dt)?,
+            shape,
+        });
+        bufs.push(RawBuf::get(&obj)?);
+    }
+    let mut m = Vec::with_capacity(meta.len());
+    for (k, v) in meta.iter() {
+        let k: String = k
+            .extract()
+            .map_err(|_| PyTypeError::new_err("item metadata keys are str"))?;
+        m.push((k, meta_value(&v)?));
+    }
+    let plan = item::plan(&specs, &m).map_err(err)?;
+    for ((spec, buf), (_, n)) in specs.iter().zip(&bufs).zip(&plan.placements) {
+        if buf.as_slice().len() as u64 != *n {
+            return Err(PyValueError::new_err(format!(
+                "array {:?}: the buffer holds {} bytes, its dtype and shape need {n}",
+                spec.name,
+                buf.as_slice().len()
+            )));
+        }
+    }
+    let s = &store.s;
+    let write = || -> shmstore::Result<()> {
+        let mut c = match timeout {
+            None => s.create_object(&id, plan.total_len)?,
+            Some(t) => s.create_object_wait(&id, plan.total_len, Duration::from_secs_f64(t))?,
+        };
+        c[..plan.header.len()].copy_from_slice(&plan.header);
+        for (buf, &(off, n)) in bufs.iter().zip(&plan.placements) {
+            c[off as usize..(off + n) as usize].copy_from_slice(buf.as_slice());
+        }
+        c.seal()
+    };
+    let r = py.allow_threads(write);
+    drop(bufs); // released with the GIL held
+    r.map_err(err)
 }
 
 /// Lays out a tensor item: `arrays` is a list of (name, dtype name, shape); returns
@@ -989,6 +1059,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyView>()?;
     m.add_class::<PyCreation>()?;
     m.add_function(wrap_pyfunction!(plan_item, m)?)?;
+    m.add_function(wrap_pyfunction!(put_item_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(decode_item, m)?)?;
     m.add_function(wrap_pyfunction!(content_id, m)?)?;
     m.add_function(wrap_pyfunction!(key_id, m)?)?;

@@ -273,15 +273,17 @@ def worker_main(kind: str, config, conn, lock, env: dict[str, str]) -> None:
         if mode == "pause":
             conn.send(("paused", req, None))  # the test changes the store meanwhile
             conn.recv()
+        t0 = time.perf_counter()
         try:
             receiver.get_and_update_features(features)
         except MultiModalCacheMissError as e:
             conn.send(("miss", req, list(e.mm_hashes)))
             continue
         if mode == "fast":
-            # What a worker does next: hold torch tensors (no digest, for timing).
+            # What a worker does next: hold torch tensors (no digest, for timing). The
+            # reply carries the receiver cache's own time.
             held = [f.data for f in features]
-            conn.send(("ok", req, None))
+            conn.send(("ok", req, time.perf_counter() - t0))
             continue
         digests = [None if f.data is None else digest(f.data) for f in features]
         if mode == "hold":

@@ -262,6 +262,20 @@ impl Store {
         self.inner.heap_region()
     }
 
+    /// Populates this process's page tables for the whole store now (what
+    /// [`AttachOptions::prefault`] does at attach), so that later first writes into fresh
+    /// blocks take no page faults. Blocks the calling thread for as long as that takes
+    /// (about 0.1-1 s per GiB); run it on a background thread to keep attach instant.
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig { prefault: false, ..shmstore::StoreConfig::with_capacity(1 << 20) })?;
+    /// s.prefault();
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn prefault(&self) {
+        self.inner.map.prefault()
+    }
+
     /// The largest object this store can ever hold.
     ///
     /// ```
