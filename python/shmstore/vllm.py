@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -298,7 +297,9 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
     capacity = _capacity(vllm_config)
     for _ in range(3):
         try:
-            return _native.Store.open(name, read_only=read_only, prefault=False)
+            # Front-ends and workers attach long before they use most of the store: map
+            # it in the background so that their first accesses run warm.
+            return _native.Store.open(name, read_only=read_only, populate_in_background=True)
         except _native.StoreNotFound:
             pass
         try:
@@ -316,12 +317,12 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
                 "front-end and worker of this vLLM instance)", name, capacity / (1 << 30))
             if not read_only:
                 return s
-            ro = _native.Store.open(name, read_only=True, prefault=False)
+            ro = _native.Store.open(name, read_only=True, populate_in_background=True)
             del s  # after the read-only attach: the store is removed when unused
             return ro
         except _native.StoreExists:
             pass
-    return _native.Store.open(name, read_only=read_only, prefault=False)
+    return _native.Store.open(name, read_only=read_only, populate_in_background=True)
 
 
 # ----- P0: the front-end ---------------------------------------------------------------
@@ -347,14 +348,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
     def __init__(self, vllm_config, *, inflight_fraction: float = 0.25) -> None:
         super().__init__()
         mm_config = vllm_config.model_config.get_multimodal_config()
-        self.store = open_store(vllm_config)
-        # Map the whole store into this process's page tables in the background, so that
-        # puts into fresh blocks copy at warm speed (the pages exist: the store reserved
-        # them at creation; each process still takes a fault per page on first touch).
-        self._prefault = threading.Thread(
-            target=self.store.prefault, name="shmstore-prefault", daemon=True
-        )
-        self._prefault.start()
+        self.store = open_store(vllm_config)  # populated in the background (Rust thread)
         self.max_object_size = int(mm_config.mm_shm_cache_max_object_size_mb * _MiB)
         self._updates: collections.OrderedDict[str, Sequence[Any]] = collections.OrderedDict()
         self._touched: dict[str, memoryview] = {}
@@ -478,12 +472,6 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         if delta:
             info, self._last_info = info - self._last_info, info
         return info
-
-    def wait_prefaulted(self, timeout: float | None = None) -> bool:
-        """Waits until this process has mapped the whole store (started at init, in the
-        background); returns whether it has. For benchmarks and tests."""
-        self._prefault.join(timeout)
-        return not self._prefault.is_alive()
 
     @override
     def close(self) -> None:

@@ -607,7 +607,7 @@ impl PyStore {
     /// Creates a named store (`/dev/shm/NAME`, or a path) of `capacity` payload bytes.
     #[staticmethod]
     #[pyo3(signature = (name, capacity, *, max_objects=65536, max_clients=32, evict=false,
-                        remove_when_unused=false, prefault=true))]
+                        remove_when_unused=false, prefault=false))]
     fn create(
         name: &str,
         capacity: u64,
@@ -638,12 +638,18 @@ impl PyStore {
 
     /// Opens an existing store by name (in /dev/shm) or path.
     #[staticmethod]
-    #[pyo3(signature = (name, *, read_only=false, prefault=true))]
-    fn open(name: &str, read_only: bool, prefault: bool) -> PyResult<Self> {
+    #[pyo3(signature = (name, *, read_only=false, prefault=false, populate_in_background=false))]
+    fn open(
+        name: &str,
+        read_only: bool,
+        prefault: bool,
+        populate_in_background: bool,
+    ) -> PyResult<Self> {
         let (dir, file) = dir_and_name(name);
         let opts = AttachOptions {
             read_only,
             prefault,
+            populate_in_background,
             ..Default::default()
         };
         Ok(PyStore {

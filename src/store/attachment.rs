@@ -144,6 +144,12 @@ pub(super) struct Inner {
     next_maintenance_ns: AtomicU64,
     pub(super) get_spin: Duration,
     pub(super) read_only: bool,
+    /// Process-local: which [`POPULATE_CHUNK`]s of the heap this process has populated
+    /// (one bit each), so that populating on use costs one madvise per chunk, once.
+    populated: Box<[AtomicU64]>,
+    /// The background populate thread: its stop flag, handle and fork generation.
+    #[allow(clippy::type_complexity)]
+    populator: std::sync::Mutex<Option<(Arc<AtomicU64>, std::thread::JoinHandle<()>, u64)>>,
     heap: *mut u8,
     pub(super) sb: Superblock,
     pub(super) map: Mapping,
@@ -159,9 +165,27 @@ unsafe impl Sync for Inner {}
 
 /// Creates between two looks at the maintenance clock (see [`crate::recovery`]).
 const MAINTENANCE_CHECK: u64 = 256;
+/// Objects at least this large are populated on first use (docs/design.md, "Prefaulting").
+pub(super) const POPULATE_MIN: u64 = 256 << 10;
+/// The heap's population is tracked per chunk of this many bytes.
+const POPULATE_CHUNK: u64 = 2 << 20;
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        let populator = self
+            .populator
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some((stop, handle, generation)) = populator {
+            if generation == liveness::generation() {
+                stop.store(1, Ordering::Relaxed);
+                let _ = handle.join();
+            } else {
+                // Inherited across fork: the thread does not exist in this process.
+                std::mem::forget(handle);
+            }
+        }
         let p = self.binding.load(Ordering::Acquire);
         if p.is_null() {
             return;
@@ -270,6 +294,10 @@ impl Inner {
             next_maintenance_ns: AtomicU64::new(0),
             get_spin: opts.get_spin,
             read_only: opts.read_only,
+            populated: (0..sb.heap_size.div_ceil(POPULATE_CHUNK).div_ceil(64))
+                .map(|_| AtomicU64::new(if opts.prefault { u64::MAX } else { 0 }))
+                .collect(),
+            populator: std::sync::Mutex::new(None),
             // SAFETY: heap_offset + heap_size <= total (checked above).
             heap: unsafe { base.add(sb.heap_offset as usize) },
             sb,
@@ -443,6 +471,73 @@ impl Inner {
             (m, m.add(meta_pad as usize))
         };
         Ok(Resolved { block, meta, data })
+    }
+
+    /// Populates this process's page tables for an object's bytes `[data, data + len)`
+    /// in the heap, for writing or reading, if it is large and its chunks are not
+    /// populated here yet (see [`POPULATE_MIN`]).
+    pub(super) fn populate(&self, data: *const u8, len: u64, write: bool) {
+        if len >= POPULATE_MIN {
+            self.populate_chunks(data, len, write);
+        }
+    }
+
+    fn populate_chunks(&self, data: *const u8, len: u64, write: bool) {
+        let off = (data as usize).wrapping_sub(self.heap as usize) as u64;
+        if off.checked_add(len).is_none_or(|e| e > self.sb.heap_size) {
+            return;
+        }
+        let (first, last) = (off / POPULATE_CHUNK, (off + len - 1) / POPULATE_CHUNK);
+        let mut todo = None;
+        for c in first..=last {
+            let word = &self.populated[(c / 64) as usize];
+            let bit = 1u64 << (c % 64);
+            if word.load(Ordering::Relaxed) & bit == 0 {
+                todo.get_or_insert(c);
+                word.fetch_or(bit, Ordering::Relaxed);
+            }
+        }
+        let Some(from) = todo else { return };
+        let start = from * POPULATE_CHUNK;
+        let end = ((last + 1) * POPULATE_CHUNK).min(self.sb.heap_size);
+        // A read-only attach can only populate for reading.
+        let write = write && !self.read_only;
+        self.map.populate(
+            (self.sb.heap_offset + start) as usize,
+            (end - start) as usize,
+            write,
+        );
+    }
+
+    /// Populates the whole heap, bottom up, chunk by chunk, on a background thread: for
+    /// writing in the creator (the kernel zeroes each tmpfs page at its first touch, so
+    /// this is where that happens, once), for reading in others (mapping only). The thread
+    /// holds no reference that keeps the store alive: dropping the store stops it (and
+    /// waits for its current chunk, a few milliseconds).
+    pub(super) fn populate_in_background(self: &Arc<Self>, write: bool) {
+        let stop = Arc::new(AtomicU64::new(0));
+        let this = Arc::as_ptr(self) as usize;
+        let flag = Arc::clone(&stop);
+        let spawned = std::thread::Builder::new()
+            .name("shmstore-populate".into())
+            .spawn(move || {
+                // SAFETY: `Inner::drop` sets `flag` and joins this thread before any field
+                // of the `Inner` is dropped, so the pointer stays valid while we run.
+                let inner = unsafe { &*(this as *const Inner) };
+                let step = 4 * POPULATE_CHUNK;
+                let mut off = 0;
+                while off < inner.sb.heap_size && flag.load(Ordering::Relaxed) == 0 {
+                    let len = step.min(inner.sb.heap_size - off);
+                    // SAFETY: `off + len <= heap_size`: inside the heap.
+                    let data = unsafe { inner.heap.add(off as usize) };
+                    inner.populate_chunks(data, len, write);
+                    off += len;
+                }
+            });
+        if let Ok(handle) = spawned {
+            let mut slot = self.populator.lock().unwrap_or_else(|e| e.into_inner());
+            *slot = Some((stop, handle, liveness::generation()));
+        }
     }
 
     /// The payload heap in this process: address and length.

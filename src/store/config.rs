@@ -28,8 +28,19 @@ pub struct StoreConfig {
     pub dir: PathBuf,
     /// File mode of a named store.
     pub mode: u32,
-    /// Populate page tables at attach so first writes run at warm speed.
+    /// Populate this process's page tables for the whole store at creation (seconds per
+    /// tens of GiB). Off by default: every process populates what it touches, one object
+    /// at a time, when it first creates or gets an object of 256 KiB or more (see
+    /// docs/design.md, "Prefaulting").
     pub prefault: bool,
+    /// Print a progress line on stderr while reserving the store's memory takes longer
+    /// than a second (large stores).
+    pub progress: bool,
+    /// After creating the store, a background thread of the creating process touches
+    /// every page of the heap once, bottom up (where the allocator places objects first):
+    /// the kernel zeroes a tmpfs page at its first touch, not at reservation, and this way
+    /// puts do not pay for it. The thread stops when the store is dropped.
+    pub populate_in_background: bool,
     /// Transparent huge pages.
     pub huge_pages: HugePages,
     /// How long a blocking get in this process spins before it sleeps on the futex.
@@ -57,7 +68,9 @@ impl Default for StoreConfig {
             max_clients: 32,
             dir: PathBuf::from("/dev/shm"),
             mode: 0o600,
-            prefault: true,
+            prefault: false,
+            progress: true,
+            populate_in_background: true,
             huge_pages: HugePages::Off,
             get_spin: DEFAULT_GET_SPIN,
             when_full: WhenFull::Fail,
@@ -83,6 +96,7 @@ impl StoreConfig {
     pub(super) fn attach_options(&self) -> AttachOptions {
         AttachOptions {
             prefault: self.prefault,
+            populate_in_background: false, // the creator's is started by create
             huge_pages: self.huge_pages,
             get_spin: self.get_spin,
             read_only: false,
@@ -116,13 +130,18 @@ impl StoreConfig {
 /// ```
 #[derive(Clone, Debug)]
 pub struct AttachOptions {
-    /// Populate page tables at attach.
+    /// Populate this process's page tables for the whole store at attach (off by default:
+    /// objects are populated as they are first used; see [`StoreConfig::prefault`]).
     pub prefault: bool,
     /// Transparent huge pages.
     pub huge_pages: HugePages,
     /// How long a blocking get in this process spins before it sleeps on the futex
     /// (`Duration::ZERO`: sleep at once).
     pub get_spin: Duration,
+    /// Map the whole heap into this process on a background thread after attaching (for
+    /// processes that attach long before they read: their first reads then run warm).
+    /// Costs, per process, about 2 MiB of page tables per GiB of store.
+    pub populate_in_background: bool,
     /// Attach for reading only: the payload pages are mapped read-only in this process, so
     /// the kernel faults any write to them; creating and deleting objects is refused.
     /// Pins still work (they live in the metadata, which stays writable).
@@ -136,7 +155,8 @@ pub struct AttachOptions {
 impl Default for AttachOptions {
     fn default() -> Self {
         AttachOptions {
-            prefault: true,
+            prefault: false,
+            populate_in_background: false,
             huge_pages: HugePages::Off,
             get_spin: DEFAULT_GET_SPIN,
             read_only: false,

@@ -118,9 +118,16 @@ impl Store {
     /// ```
     pub fn create(name: &str, cfg: &StoreConfig) -> Result<Store> {
         let sb = Self::superblock_for(cfg)?;
-        let map =
-            Mapping::create_named(&cfg.dir, name, &sb, cfg.mode, cfg.huge_pages, cfg.prefault)?;
-        Self::attach(map, sb, &cfg.attach_options())
+        let map = Mapping::create_named(
+            &cfg.dir,
+            name,
+            &sb,
+            cfg.mode,
+            cfg.huge_pages,
+            cfg.prefault,
+            cfg.progress,
+        )?;
+        Self::attach_created(map, sb, cfg)
     }
 
     /// Creates an anonymous store in a memfd. Share it with [`Store::fd`] (a child opens
@@ -133,8 +140,17 @@ impl Store {
     /// ```
     pub fn create_anonymous(cfg: &StoreConfig) -> Result<Store> {
         let sb = Self::superblock_for(cfg)?;
-        let map = Mapping::create_memfd(&sb, cfg.huge_pages, cfg.prefault)?;
-        Self::attach(map, sb, &cfg.attach_options())
+        let map = Mapping::create_memfd(&sb, cfg.huge_pages, cfg.prefault, cfg.progress)?;
+        Self::attach_created(map, sb, cfg)
+    }
+
+    /// The creator attaches, and starts populating the heap in the background.
+    fn attach_created(map: Mapping, sb: Superblock, cfg: &StoreConfig) -> Result<Store> {
+        let store = Self::attach(map, sb, &cfg.attach_options())?;
+        if cfg.populate_in_background && !cfg.prefault {
+            store.inner.populate_in_background(true);
+        }
+        Ok(store)
     }
 
     /// Opens the named store `/dev/shm/name`.
@@ -171,7 +187,11 @@ impl Store {
     /// ```
     pub fn open_with(path: impl AsRef<Path>, opts: &AttachOptions) -> Result<Store> {
         let (map, sb) = Mapping::open(path.as_ref(), opts.huge_pages, opts.prefault)?;
-        Self::attach(map, sb, opts)
+        let store = Self::attach(map, sb, opts)?;
+        if opts.populate_in_background && !opts.prefault {
+            store.inner.populate_in_background(false);
+        }
+        Ok(store)
     }
 
     /// Removes the store's name; attached processes keep working, and the memory is
@@ -418,6 +438,8 @@ impl Store {
         // SAFETY: the block is ours alone until sealed (fresh allocation, entry CREATING,
         // unsealed objects cannot be pinned); meta fits before the data (resolve checked).
         unsafe { std::ptr::copy_nonoverlapping(meta.as_ptr(), res.meta, meta.len()) };
+        // A large block: map its pages for writing in one call, not one fault per page.
+        inner.populate(res.data, len, true);
         Ok(Some(Creation {
             inner: Arc::clone(&self.inner),
             id: *id,
