@@ -730,8 +730,18 @@ impl<'a> Allocator<'a> {
 
     // ----- inspection ------------------------------------------------------------------
 
+    /// The largest page run that could be allocated now (idle current slabs count as
+    /// free): a scan of the page bitmap only, 32 KiB per GiB of heap.
+    pub(crate) fn largest_free(&self) -> u64 {
+        self.usage_with(false).largest_free
+    }
+
     /// Scans the bitmaps. Not atomic as a whole: exact only when no one allocates meanwhile.
     pub(crate) fn usage(&self) -> Usage {
+        self.usage_with(true)
+    }
+
+    fn usage_with(&self, slabs_too: bool) -> Usage {
         // Empty slabs kept as a class's current slab are returned by any allocation that
         // needs their pages (`flush_idle_slabs`), so they count as free runs here.
         let mut idle: Vec<(usize, u64)> = Vec::new();
@@ -781,7 +791,7 @@ impl<'a> Allocator<'a> {
         }
         let mut slabs = 0;
         let mut slab_used = 0;
-        for d in self.slabs {
+        for d in self.slabs.iter().filter(|_| slabs_too) {
             let st = d.state.load(Ordering::Relaxed);
             let c = (st >> 16) as usize;
             if c == 0 || c > CLASSES as usize {
@@ -797,7 +807,6 @@ impl<'a> Allocator<'a> {
         }
         let capacity = self.capacity();
         let used = (page_bits * PAGE).saturating_sub(slabs * SLAB) + slab_used;
-        debug_assert!(idle.len() as u64 <= slabs);
         Usage {
             capacity,
             used,

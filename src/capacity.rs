@@ -14,6 +14,7 @@
 //!   re-check at least every [`SPACE_RECHECK`] regardless).
 
 use crate::alloc::{Allocator, Block};
+use crate::client::{ClientHeader, Counters, COUNTERS};
 use crate::error::{Error, Result};
 use crate::sync::{AtomicU64, Ordering};
 use crate::table::{Table, WaitBucket};
@@ -39,13 +40,13 @@ pub enum WhenFull {
     Evict,
 }
 
-/// Store-wide mutable globals (128 bytes at `Superblock::globals_offset`).
+/// Store-wide mutable globals (512 bytes at `Superblock::globals_offset`).
 #[repr(C)]
 #[derive(Default)]
 pub(crate) struct Globals {
     /// Next table slot the CLOCK hand looks at.
     pub clock_hand: AtomicU64,
-    /// Objects evicted since the store was created.
+    /// Unused (evictions are counted per client, `Counters::evicted`).
     pub evictions: AtomicU64,
     /// Dead clients whose slots recovery returned.
     pub recovered_clients: AtomicU64,
@@ -61,9 +62,89 @@ pub(crate) struct Globals {
     _pad: [u64; 1],
     /// Bumped whenever a block is freed; creators waiting for space sleep on it.
     pub space: WaitBucket,
+    /// The counters of every client that has left (folded in when its slot is released).
+    pub totals: Counters,
+    _pad2: [u64; 2],
+    /// Corrections the leak sweep found, as wrapping deltas: used bytes, sealed objects,
+    /// objects being created, objects draining (see `crate::recovery`).
+    pub correction: [AtomicU64; 4],
+    _pad3: [u64; 28],
 }
 
 const _: () = assert!(std::mem::size_of::<Globals>() as u64 == crate::layout::GLOBALS_SIZE);
+
+/// What the counters say the store holds (see `crate::client::Counters`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Census {
+    /// Bytes in blocks named by objects (creating, sealed or draining).
+    pub used: u64,
+    /// Sealed objects.
+    pub objects: u64,
+    /// Objects being created.
+    pub creating: u64,
+    /// Deleted objects whose blocks wait for their last pin.
+    pub draining: u64,
+    /// Pins held.
+    pub pins: u64,
+    /// Every counter summed (totals of departed clients plus every slot's), in
+    /// `Counters::all` order.
+    pub sums: [u64; COUNTERS],
+}
+
+impl Globals {
+    /// Adds up the totals of departed clients and every slot's counters, plus the
+    /// sweep's corrections: O(clients). A racy snapshot, like every figure of a store
+    /// others are changing; exact whenever nobody is.
+    pub(crate) fn census(&self, headers: &[ClientHeader]) -> Census {
+        let mut sums = [0u64; COUNTERS];
+        let mut add = |c: &Counters| {
+            for (s, a) in sums.iter_mut().zip(c.all()) {
+                *s = s.wrapping_add(a.load(Ordering::Relaxed));
+            }
+        };
+        add(&self.totals);
+        for h in headers {
+            add(&h.counters);
+        }
+        let [inserted, sealed, aborted, deleted, freed, bytes_in, bytes_out, .., pins] = sums;
+        let corr = |k: usize| self.correction[k].load(Ordering::Relaxed);
+        let clamp = |v: u64| if (v as i64) < 0 { 0 } else { v };
+        Census {
+            used: clamp(bytes_in.wrapping_sub(bytes_out).wrapping_add(corr(0))),
+            objects: clamp(sealed.wrapping_sub(deleted).wrapping_add(corr(1))),
+            creating: clamp(
+                inserted
+                    .wrapping_sub(sealed)
+                    .wrapping_sub(aborted)
+                    .wrapping_add(corr(2)),
+            ),
+            draining: clamp(
+                aborted
+                    .wrapping_add(deleted)
+                    .wrapping_sub(freed)
+                    .wrapping_add(corr(3)),
+            ),
+            pins: clamp(pins),
+            sums,
+        }
+    }
+
+    /// Makes the census say `exact` (what a quiet snapshot found): adds the differences
+    /// to the corrections. Only for a moment when no count can change (the leak sweep's).
+    pub(crate) fn correct(&self, found: &Census, exact: &Census) {
+        let pairs = [
+            (found.used, exact.used),
+            (found.objects, exact.objects),
+            (found.creating, exact.creating),
+            (found.draining, exact.draining),
+        ];
+        for (k, (f, e)) in pairs.into_iter().enumerate() {
+            if f != e {
+                self.correction[k].fetch_add(e.wrapping_sub(f), Ordering::Relaxed);
+            }
+        }
+    }
+}
 
 /// Runs the CLOCK hand until `alloc` succeeds or two sweeps found nothing to evict.
 /// An evicted object's block is freed by the table (through the store's reclaimer) as
@@ -73,13 +154,14 @@ pub(crate) fn evict_until_fits(
     table: &Table<'_>,
     alloc: &Allocator<'_>,
     need: u64,
+    evicted: &AtomicU64,
 ) -> Result<Block> {
     let n = table.capacity();
     let mut last = None;
     for _ in 0..2 * n {
         let i = globals.clock_hand.fetch_add(1, Ordering::Relaxed) % n;
         if table.clock_step(i as usize)? {
-            globals.evictions.fetch_add(1, Ordering::Relaxed);
+            evicted.fetch_add(1, Ordering::Relaxed);
             match alloc.alloc(need) {
                 Ok(b) => return Ok(b),
                 Err(e @ Error::Full { .. }) => last = Some(e),

@@ -35,6 +35,83 @@ pub(crate) const CLIENT_FREE: u64 = 0;
 pub(crate) const CLIENT_ALIVE: u64 = 1;
 pub(crate) const CLIENT_RECOVERING: u64 = 2;
 
+/// What one client has done, counted as it goes (its own cache lines: no counter on a
+/// hot path is shared between processes). `stats()` adds these up over the clients plus
+/// the totals of clients that have left (folded into the store's globals when a slot is
+/// released), so it costs O(clients), not O(table). Object and byte counts change only
+/// inside ownership-changing steps, so a client killed mid-way owes a leak sweep, which
+/// corrects any count it left off (see `crate::recovery`).
+#[repr(C)]
+#[derive(Default)]
+pub(crate) struct Counters {
+    /// Objects inserted (CREATING).
+    pub inserted: AtomicU64,
+    /// Objects sealed.
+    pub sealed: AtomicU64,
+    /// Creations aborted (by their creator, or by recovery).
+    pub aborted: AtomicU64,
+    /// Sealed objects deleted or evicted.
+    pub deleted: AtomicU64,
+    /// Objects whose block was freed.
+    pub freed: AtomicU64,
+    /// Bytes of blocks named by inserted objects.
+    pub bytes_in: AtomicU64,
+    /// Bytes of blocks freed with their objects.
+    pub bytes_out: AtomicU64,
+    /// Payload bytes of inserted objects (what creators write).
+    pub payload_in: AtomicU64,
+    /// Gets that found the object sealed at once.
+    pub gets_hit: AtomicU64,
+    /// Gets that ended without the object (absent, timed out, creator died).
+    pub gets_miss: AtomicU64,
+    /// Gets that had to wait for a seal.
+    pub gets_waited: AtomicU64,
+    /// Allocations that failed with `Full`.
+    pub full: AtomicU64,
+    /// Objects this client's allocations evicted.
+    pub evicted: AtomicU64,
+    /// Pins this client holds now (not folded: a client that leaves holds none).
+    pub pins_held: AtomicU64,
+}
+
+/// The number of counters in [`Counters`].
+pub(crate) const COUNTERS: usize = 14;
+
+impl Counters {
+    /// The counters in declaration order.
+    pub(crate) fn all(&self) -> [&AtomicU64; COUNTERS] {
+        [
+            &self.inserted,
+            &self.sealed,
+            &self.aborted,
+            &self.deleted,
+            &self.freed,
+            &self.bytes_in,
+            &self.bytes_out,
+            &self.payload_in,
+            &self.gets_hit,
+            &self.gets_miss,
+            &self.gets_waited,
+            &self.full,
+            &self.evicted,
+            &self.pins_held,
+        ]
+    }
+
+    /// Adds this client's counters into `totals` and zeroes them (a slot being released).
+    /// Pins are not carried over: whoever releases a slot has dropped or recovered them.
+    pub(crate) fn fold_into(&self, totals: &Counters) {
+        let (mine, theirs) = (self.all(), totals.all());
+        for (m, t) in mine.iter().zip(theirs).take(COUNTERS - 1) {
+            let v = m.swap(0, Ordering::Relaxed);
+            if v != 0 {
+                t.fetch_add(v, Ordering::Relaxed);
+            }
+        }
+        self.pins_held.store(0, Ordering::Relaxed);
+    }
+}
+
 /// One client slot (256 bytes in the region).
 #[repr(C)]
 #[derive(Default)]
@@ -51,7 +128,10 @@ pub(crate) struct ClientHeader {
     pub ops_finished: AtomicU64,
     /// Blocks from `raw_alloc` not yet given back.
     pub raw_blocks: AtomicU64,
-    _reserved: [u64; 26],
+    _pad: [u64; 2],
+    /// What this client has done (from the second cache line on).
+    pub counters: Counters,
+    _reserved: [u64; 10],
 }
 
 #[cfg(not(loom))]
@@ -126,6 +206,8 @@ pub(crate) struct Clients<'a> {
     headers: &'a [ClientHeader],
     locks: &'a dyn SlotLocks,
     me: Option<u64>,
+    /// Where a released slot's counters go (the store's totals).
+    totals: Option<&'a Counters>,
 }
 
 impl<'a> Clients<'a> {
@@ -134,7 +216,23 @@ impl<'a> Clients<'a> {
         locks: &'a dyn SlotLocks,
         me: Option<u64>,
     ) -> Self {
-        Clients { headers, locks, me }
+        Clients {
+            headers,
+            locks,
+            me,
+            totals: None,
+        }
+    }
+
+    /// Folds the counters of slots this view releases into `totals`.
+    pub(crate) fn folding_into(mut self, totals: &'a Counters) -> Self {
+        self.totals = Some(totals);
+        self
+    }
+
+    /// Every client header (for summing counters).
+    pub(crate) fn headers(&self) -> &'a [ClientHeader] {
+        self.headers
     }
 
     /// Number of client slots.
@@ -266,6 +364,9 @@ impl<'a> Clients<'a> {
         // A holder that died inside a step left `started > finished` (and maybe raw
         // blocks): recovery has owed a sweep for it. Settle so the next holder starts quiet.
         settle(h);
+        if let Some(totals) = self.totals {
+            h.counters.fold_into(totals);
+        }
         h.pid.store(0, Ordering::Relaxed);
         let c = h.ctl.load(Ordering::Acquire);
         if state_of(c) != CLIENT_FREE {

@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! 0        superblock (256 B, immutable after creation, checksummed)
-//! 4 KiB    globals           128 B                 clock hand, evictions, space waiters
+//! 4 KiB    globals           512 B                 clock hand, space waiters, totals
 //!          wait buckets      WAIT_BUCKETS x 64 B   futex words for blocked gets
 //!          alloc hints       (CLASSES + 3) x 64 B  current slab per class, cursor, claims
 //!          page bitmap       pages / 64 words      1 bit per 4 KiB heap page
@@ -42,8 +42,9 @@ pub(crate) const PAGES_PER_SLAB: u64 = SLAB / PAGE;
 pub(crate) const WAIT_BUCKETS: u64 = 256;
 /// Hopscotch neighbourhood: an object lives within this many slots of its home.
 pub(crate) const NEIGHBORHOOD: u64 = 32;
-/// Size of the store-wide globals (clock hand, eviction count, space waiters).
-pub(crate) const GLOBALS_SIZE: u64 = 128;
+/// Size of the store-wide globals (clock hand, counters of clients that left, space
+/// waiters, corrections).
+pub(crate) const GLOBALS_SIZE: u64 = 512;
 /// Superblock flag: evict least-recently-used objects when full instead of failing.
 pub(crate) const FLAG_EVICT: u64 = 1;
 /// Superblock flag: remove the store's file when its last client detaches.

@@ -53,7 +53,7 @@
 //! moment.
 
 use crate::alloc::{blocks_in_slab, Allocator, Block, BlockKind, CLASS_SIZES};
-use crate::capacity::Globals;
+use crate::capacity::{Census, Globals};
 use crate::client::{state_of, Clients, Liveness, CLIENT_FREE};
 use crate::layout::{CLASSES, PAGE, PAGES_PER_SLAB, SLAB};
 use crate::sync::Ordering;
@@ -174,6 +174,10 @@ impl World<'_> {
                 }
             }
         }
+        // Its pins are gone, so its count of them is too.
+        if let Some(h) = self.clients.get(d) {
+            h.counters.pins_held.store(0, Ordering::Relaxed);
+        }
         let mut creating = Vec::new();
         let mut orphans = Vec::new();
         let mut deleted = Vec::new();
@@ -286,21 +290,30 @@ impl World<'_> {
         if before.iter().any(|(_, (s, f, raw))| s != f || *raw != 0) {
             return false;
         }
-        // Everything the table names.
+        // Everything the table names, and what the counts should say.
         let words = self.alloc.page_words();
         let mut page_owned = vec![0u64; words];
         let mut slab_named: HashMap<usize, [u64; 16]> = HashMap::new();
         let mut settled = true;
+        let mut exact = Census::default();
         self.table.scan(|_, c, _, e| {
-            if c.state() == RESERVED {
-                settled = false;
+            if matches!(c.state(), RESERVED | FREEING) {
+                settled = false; // a step in flight after all (or a dead client's)
                 return;
             }
             if c.state() == FREE {
                 return;
             }
             match e.block(self.heap_size) {
-                Ok((b, _)) => mark(&mut page_owned, &mut slab_named, &b),
+                Ok((b, _)) => {
+                    mark(&mut page_owned, &mut slab_named, &b);
+                    exact.used += b.size;
+                    match c.state() {
+                        CREATING => exact.creating += 1,
+                        DELETED => exact.draining += 1,
+                        _ => exact.objects += 1,
+                    }
+                }
                 Err(_) => settled = false, // corrupt entry: do not guess around it
             }
         });
@@ -308,9 +321,13 @@ impl World<'_> {
             return false;
         }
         let snap = self.alloc.snapshot();
+        // Read inside the quiet window: counts change only inside steps.
+        let found = self.globals.census(self.clients.headers());
         if ops() != before {
             return false;
         }
+        // A client that died inside a step may have left a count behind: set it right.
+        self.globals.correct(&found, &exact);
         self.ops.begin_op();
         for (s, (st, bits)) in snap.slabs.iter().enumerate() {
             let c = (st >> 16) as usize;

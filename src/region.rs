@@ -448,6 +448,18 @@ impl Mapping {
     pub(crate) fn huge_pages(&self) -> bool {
         self.huge
     }
+
+    /// The page size of the file system backing the store (`fstatfs`'s block size:
+    /// 4096 on tmpfs, the huge page size on hugetlbfs).
+    pub(crate) fn page_size(&self) -> u64 {
+        // SAFETY: statfs is plain old data; all-zero is a valid value to overwrite.
+        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: valid fd and out-pointer.
+        if unsafe { libc::fstatfs(self.file.as_raw_fd(), &mut st) } != 0 || st.f_bsize <= 0 {
+            return PAGE;
+        }
+        st.f_bsize as u64
+    }
 }
 
 fn check_name(name: &str) -> Result<()> {

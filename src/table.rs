@@ -261,9 +261,35 @@ pub(crate) enum Pin {
     Absent,
 }
 
+/// What a client just did to the table, for its counters (`crate::client::Counters`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Event {
+    /// An object was published CREATING with this entry.
+    Inserted(Entry),
+    /// An object was sealed.
+    Sealed,
+    /// A creation was aborted (CREATING -> DELETED).
+    Aborted,
+    /// A sealed object was deleted or evicted.
+    Deleted,
+    /// An object's block is being freed (this entry's).
+    Freed(Entry),
+    /// A pin was taken.
+    Pinned,
+    /// A pin was dropped.
+    Unpinned,
+    /// A get found its object sealed at once.
+    GetHit,
+    /// A get found its object after waiting for the seal.
+    GetWaited,
+    /// A get ended without its object.
+    GetMissed,
+}
+
 /// What the table calls to give a block back: the store frees it in the allocator, then
 /// returns the slot with [`Table::release`]. Also brackets every step that changes who
-/// owns a block, so the leak sweep can tell a quiet moment (see [`crate::recovery`]).
+/// owns a block or what a count says, so the leak sweep can tell a quiet moment (see
+/// [`crate::recovery`]), and counts what the client did.
 pub(crate) trait Reclaimer {
     /// Frees the block of slot `r`, which this process has moved to FREEING, then
     /// releases the slot.
@@ -272,6 +298,8 @@ pub(crate) trait Reclaimer {
     fn begin_op(&self) {}
     /// It ended.
     fn end_op(&self) {}
+    /// Counts an event of this client.
+    fn count(&self, _event: Event) {}
 }
 
 /// The table over its shared sections, as seen by client `me`.
@@ -446,10 +474,11 @@ impl<'a> Table<'a> {
             let nb = ((b >> 32).wrapping_add(1) << 32) | (b as u32 as u64) | (1 << d);
             match bucket.compare_exchange(b, nb, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => {
+                    self.reclaimer.count(Event::Inserted(*e));
                     return Ok(SlotRef {
                         index: i as u32,
                         gen,
-                    })
+                    });
                 }
                 Err(now) => b = now,
             }
@@ -521,6 +550,7 @@ impl<'a> Table<'a> {
                 return Ok(Pin::Creating { creator });
             }
             if self.try_hold(i, c.gen())? {
+                self.reclaimer.count(Event::Pinned);
                 // A get refreshes recency (CLOCK); skip the write when already set.
                 let info = &self.slots[i].info;
                 if info.load(Ordering::Relaxed) & INFO_REFERENCED == 0 {
@@ -546,6 +576,7 @@ impl<'a> Table<'a> {
                 limit: PIN_LIMIT as u32,
             });
         }
+        self.reclaimer.count(Event::Pinned);
         Ok(())
     }
 
@@ -568,11 +599,16 @@ impl<'a> Table<'a> {
         dekker_fence();
         let c = Ctl(s.ctl.load(SC_LOAD));
         if c.gen() == r.gen && c.state() == DELETED {
+            self.reclaimer.count(Event::Pinned);
             return Ok(true);
         }
         // Readable: as a fresh pin (our counter is up once more; drop the extra one).
         self.drop_hold(i);
-        self.try_hold(i, r.gen)
+        let held = self.try_hold(i, r.gen)?;
+        if held {
+            self.reclaimer.count(Event::Pinned);
+        }
+        Ok(held)
     }
 
     /// Is `id` present, sealed or being created?
@@ -608,6 +644,7 @@ impl<'a> Table<'a> {
             k.fetch_add(1, SC);
             return Err(corrupted(format!("unpin of slot {i} without a pin")));
         }
+        self.reclaimer.count(Event::Unpinned);
         if old == 1 {
             dekker_fence();
             self.try_free(i);
@@ -640,6 +677,7 @@ impl<'a> Table<'a> {
             .is_ok();
         let freed = won.then(|| {
             let e = self.entry(i);
+            self.reclaimer.count(Event::Freed(e));
             // The retirer normally unlinked already; it may have died first.
             self.unlink(i);
             let r = SlotRef {
@@ -686,7 +724,10 @@ impl<'a> Table<'a> {
         } else {
             Ordering::Release
         };
-        s.ctl
+        // A step that changes a count: bracketed, so a death here owes a sweep.
+        self.reclaimer.begin_op();
+        let sealed = s
+            .ctl
             .compare_exchange(
                 c.0,
                 Ctl::new(SEALED, None, c.gen()).0,
@@ -699,7 +740,12 @@ impl<'a> Table<'a> {
                     r.index,
                     Ctl(now)
                 ))
-            })?;
+            });
+        if sealed.is_ok() {
+            self.reclaimer.count(Event::Sealed);
+        }
+        self.reclaimer.end_op();
+        sealed?;
         self.notify(id);
         Ok(())
     }
@@ -711,6 +757,8 @@ impl<'a> Table<'a> {
     fn retire(&self, i: usize, gen: u32, from: &[u64]) -> (bool, Option<Entry>) {
         let s = &self.slots[i];
         let k = self.counter(i, self.me);
+        // A step that changes a count: bracketed, so a death here owes a sweep.
+        self.reclaimer.begin_op();
         k.fetch_add(1, SC);
         let mut c = Ctl(s.ctl.load(SC_LOAD));
         let retired = loop {
@@ -726,9 +774,16 @@ impl<'a> Table<'a> {
             }
         };
         if retired {
+            self.reclaimer.count(if from == [CREATING] {
+                Event::Aborted
+            } else {
+                Event::Deleted
+            });
             self.unlink(i);
         }
-        (retired, self.drop_hold(i))
+        let freed = self.drop_hold(i);
+        self.reclaimer.end_op();
+        (retired, freed)
     }
 
     /// Clears slot `i`'s bit from its home bucket, if set (new lookups stop finding it).

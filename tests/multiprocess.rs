@@ -179,6 +179,13 @@ fn seal_wakes_two_readers_blocked_in_other_processes_and_they_read_exact_bytes()
         }
     }
     store.check_invariants().unwrap();
+    // The readers have exited; what they did lives on in the store's counters.
+    let st = store.stats();
+    assert_eq!(
+        (st.creates, st.gets_waited, st.gets_hit, st.gets_missed),
+        (3, 6, 0, 0),
+        "{st:?}"
+    );
 }
 
 #[test]
@@ -254,6 +261,12 @@ fn get_times_out_in_another_process() {
     assert!(waited >= 200 && elapsed >= 200, "{msg}");
     assert!(elapsed < 5000, "{msg}");
     p.finish();
+    let st = store.stats();
+    assert_eq!(
+        (st.gets_missed, st.gets_waited, st.creating),
+        (1, 0, 1),
+        "{st:?}"
+    );
 }
 
 #[test]

@@ -741,25 +741,26 @@ impl PyStore {
         wait_if_absent: bool,
     ) -> PyResult<Bound<'py, PyMemoryView>> {
         let id = object_id(id)?;
-        let v = match self.s.try_get(&id) {
-            Ok(v) => v,
-            Err(shmstore::Error::NotFound { .. }) => {
+        let store = &self.s;
+        // The common case without releasing the GIL: sealed already.
+        let (first, at_once) = store.get_slice(&id, Duration::ZERO, false).map_err(err)?;
+        let got = match first {
+            Err(shmstore::Error::NotFound { .. } | shmstore::Error::Timeout { .. }) => {
                 let t = timeout_of(timeout)?;
-                let store = &self.s;
                 let wait = |slice| {
-                    if wait_if_absent {
-                        store.get(&id, slice)
-                    } else {
-                        store.get_existing(&id, slice)
-                    }
+                    store
+                        .get_slice(&id, slice, wait_if_absent)
+                        .and_then(|(got, _)| got)
                 };
                 sliced(py, t, &wait, |e| {
                     matches!(e, shmstore::Error::Timeout { .. })
-                })?
+                })
             }
-            Err(e) => return Err(err(e)),
+            other => other.map_err(err),
         };
-        PyMemoryView::from(PyView::wrap(py, v)?.as_any())
+        // Stats count the whole get once, however many slices it took.
+        store.count_get(at_once, got.is_ok());
+        PyMemoryView::from(PyView::wrap(py, got?)?.as_any())
     }
 
     /// Like `get`, but never waits: None if the object is absent or not sealed yet.
@@ -786,7 +787,8 @@ impl PyStore {
         self.s.delete(&object_id(id)?).map_err(err)
     }
 
-    /// Occupancy figures as a dict.
+    /// Occupancy and activity figures as a dict, read from counters (cheap at any store
+    /// size). `pinned_objects()` counts pinned objects by a table scan.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let st = self.s.stats();
         let d = PyDict::new(py);
@@ -796,7 +798,6 @@ impl PyStore {
         d.set_item("largest_free", st.largest_free)?;
         d.set_item("objects", st.objects)?;
         d.set_item("creating", st.creating)?;
-        d.set_item("pinned", st.pinned)?;
         d.set_item("pins", st.pins)?;
         d.set_item("draining", st.draining)?;
         d.set_item("clients", st.clients)?;
@@ -805,7 +806,24 @@ impl PyStore {
         d.set_item("reclaimed_bytes", st.reclaimed_bytes)?;
         d.set_item("evictions", st.evictions)?;
         d.set_item("table_slots", st.table_slots)?;
+        d.set_item("max_clients", st.max_clients)?;
+        d.set_item("page_size", st.page_size)?;
+        d.set_item("huge_pages", st.huge_pages)?;
+        d.set_item("sweep_pending", st.sweep_pending)?;
+        d.set_item("leaked_blocks_freed", st.leaked_blocks_freed)?;
+        d.set_item("creates", st.creates)?;
+        d.set_item("bytes_created", st.bytes_created)?;
+        d.set_item("deletes", st.deletes)?;
+        d.set_item("gets_hit", st.gets_hit)?;
+        d.set_item("gets_waited", st.gets_waited)?;
+        d.set_item("gets_missed", st.gets_missed)?;
+        d.set_item("full_events", st.full_events)?;
         Ok(d)
+    }
+
+    /// Objects at least one process pins now (a table scan, O(objects); for tools).
+    fn pinned_objects(&self) -> u64 {
+        self.s.pinned_objects()
     }
 
     /// Every object in the store: a list of `(id, length, state, pins)` with `id` the 32

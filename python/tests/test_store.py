@@ -177,6 +177,29 @@ def test_a_small_put_recovers_a_dead_process_on_its_slow_path(store_name):
     assert (st["recovered_clients"], st["objects"]) == (1, 1), st
 
 
+def test_stats_count_what_this_and_other_processes_did(store, store_name):
+    store.put("a", b"x" * 1000)
+    store.put("b", b"y" * 10)
+    store.get("a", 1.0).release()  # a hit
+    with pytest.raises(shmstore.Timeout):
+        store.get("gone", 0)  # a miss
+    store.delete("b")
+    run_python(
+        """
+        import sys, shmstore
+        s = shmstore.Store.open(sys.argv[1])
+        s.put("c", b"z" * 5)
+        s.get("c", 1.0).release()
+        """,
+        store_name,
+    )
+    st = store.stats()
+    # The other process has detached: its counts live on in the store's totals.
+    assert (st["creates"], st["bytes_created"], st["deletes"]) == (3, 1015, 1), st
+    assert (st["gets_hit"], st["gets_missed"], st["objects"]) == (2, 1, 2), st
+    assert store.pinned_objects() == 0
+
+
 def test_another_process_reads_the_same_bytes(store, store_name):
     data = np.random.default_rng(1).integers(0, 255, 1 << 20, dtype=np.uint8)
     store.put("shared", data)

@@ -25,7 +25,7 @@ use crate::liveness::{self, LockFile};
 use crate::recovery::{RecoveryReport, World, MAINTENANCE_PERIOD};
 use crate::region::Mapping;
 use crate::sync::{AtomicPtr, AtomicU16, AtomicU64, Ordering};
-use crate::table::{Entry, Reclaimer, Sections, Slot, SlotRef, Table, WaitBucket};
+use crate::table::{Entry, Event, Reclaimer, Sections, Slot, SlotRef, Table, WaitBucket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -370,6 +370,7 @@ impl Inner {
                         // SAFETY: `mine` was never published; we own it.
                         let mine = unsafe { Box::from_raw(mine) };
                         Clients::new(self.clients, &mine.locks, Some(index as u64))
+                            .folding_into(&self.globals.totals)
                             .detach(index as u64);
                         // SAFETY: as above.
                         return Ok(unsafe { &*now });
@@ -382,7 +383,7 @@ impl Inner {
 
     /// Claims a client slot with `locks`: a free one, or a dead client's, recovered first.
     fn claim_slot(&self, locks: &SlotLockFile) -> Result<u16> {
-        let clients = Clients::new(self.clients, locks, None);
+        let clients = Clients::new(self.clients, locks, None).folding_into(&self.globals.totals);
         let pid = std::process::id() as u64;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -617,6 +618,34 @@ impl Reclaimer for Actor<'_> {
     fn end_op(&self) {
         client::end_op(self.header());
     }
+    fn count(&self, event: Event) {
+        let c = &self.header().counters;
+        let size = |e: &Entry| e.block(self.inner.sb.heap_size).map_or(0, |(b, _)| b.size);
+        let add = |a: &AtomicU64, v: u64| {
+            a.fetch_add(v, Ordering::Relaxed);
+        };
+        match event {
+            Event::Inserted(e) => {
+                add(&c.inserted, 1);
+                add(&c.bytes_in, size(&e));
+                add(&c.payload_in, e.len);
+            }
+            Event::Sealed => add(&c.sealed, 1),
+            Event::Aborted => add(&c.aborted, 1),
+            Event::Deleted => add(&c.deleted, 1),
+            Event::Freed(e) => {
+                add(&c.freed, 1);
+                add(&c.bytes_out, size(&e));
+            }
+            Event::Pinned => add(&c.pins_held, 1),
+            Event::Unpinned => {
+                c.pins_held.fetch_sub(1, Ordering::Relaxed);
+            }
+            Event::GetHit => add(&c.gets_hit, 1),
+            Event::GetWaited => add(&c.gets_waited, 1),
+            Event::GetMissed => add(&c.gets_miss, 1),
+        }
+    }
 }
 
 impl<'a> Actor<'a> {
@@ -625,9 +654,11 @@ impl<'a> Actor<'a> {
         Table::new(self.inner.sections(), self.index, self)
     }
 
-    /// Every client slot, as we see them.
+    /// Every client slot, as we see them (a slot we release folds its counters into
+    /// the store's totals).
     pub(super) fn clients(&self) -> Clients<'a> {
         Clients::new(self.inner.clients, self.locks, Some(self.index as u64))
+            .folding_into(&self.inner.globals.totals)
     }
 
     pub(super) fn header(&self) -> &'a ClientHeader {
@@ -714,12 +745,20 @@ impl<'a> Actor<'a> {
             }
             other => other,
         };
-        match first {
-            Err(Error::Full { .. }) if inner.evicts() => {
-                capacity::evict_until_fits(inner.globals, &self.table(), &inner.alloc(), need)
-            }
+        let got = match first {
+            Err(Error::Full { .. }) if inner.evicts() => capacity::evict_until_fits(
+                inner.globals,
+                &self.table(),
+                &inner.alloc(),
+                need,
+                &self.header().counters.evicted,
+            ),
             other => other,
+        };
+        if matches!(got, Err(Error::Full { .. })) {
+            self.header().counters.full.fetch_add(1, Ordering::Relaxed);
         }
+        got
     }
 
     /// Client `c` of an object's `creator` field (untrusted): its `ctl` and liveness.

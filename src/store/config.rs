@@ -165,7 +165,8 @@ impl Default for AttachOptions {
     }
 }
 
-/// A snapshot of a store's occupancy.
+/// A snapshot of a store's occupancy and activity. Costs O(clients), not O(objects): it
+/// adds up per-client counters kept as operations run (see docs/design.md, "Stats").
 ///
 /// ```
 /// use shmstore::{ObjectId, Store, StoreConfig};
@@ -188,8 +189,6 @@ pub struct Stats {
     pub objects: u64,
     /// Objects being written.
     pub creating: u64,
-    /// Objects (sealed or deleted-but-draining) with at least one pin.
-    pub pinned: u64,
     /// Total pins held.
     pub pins: u64,
     /// Deleted objects whose memory waits for the last pin.
@@ -216,6 +215,25 @@ pub struct Stats {
     pub table_slots: u64,
     /// Whether transparent huge pages are in effect for this process's mapping.
     pub huge_pages: bool,
+    /// The page size backing the store (4096 on tmpfs; the huge page size on hugetlbfs or
+    /// for a huge-page memfd).
+    pub page_size: u64,
+    /// Client slots (processes that may be attached at once).
+    pub max_clients: u64,
+    /// Objects created since the store was created.
+    pub creates: u64,
+    /// Payload bytes of those objects.
+    pub bytes_created: u64,
+    /// Objects deleted (not counting evictions).
+    pub deletes: u64,
+    /// Gets that found their object sealed at once.
+    pub gets_hit: u64,
+    /// Gets that had to wait for a seal.
+    pub gets_waited: u64,
+    /// Gets that ended without their object (absent, timed out, creator died).
+    pub gets_missed: u64,
+    /// Creates that failed because the store was full.
+    pub full_events: u64,
 }
 
 /// Where an object is in its life cycle.

@@ -99,7 +99,8 @@ impl Creation {
     pub fn seal(mut self) -> Result<()> {
         self.ours()?;
         self.done = true;
-        self.inner.lookup_table().seal(&self.id, self.slot)
+        // As this client: the seal is counted in its counters and bracketed for the sweep.
+        self.inner.actor()?.table().seal(&self.id, self.slot)
     }
 
     /// Marks the object as never evicted (in a store created with

@@ -41,9 +41,9 @@ use crate::liveness;
 use crate::recovery::RecoveryReport;
 use crate::region::Mapping;
 use crate::sync::Ordering;
-use crate::table::{Entry, Pin, SlotRef, CREATING, DELETED, FREEING, RESERVED};
+use crate::table::{Entry, Event, Pin, Reclaimer, SlotRef, CREATING, DELETED, FREEING, RESERVED};
 use crate::ObjectId;
-use attachment::Inner;
+use attachment::{Actor, Inner};
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
@@ -552,12 +552,63 @@ impl Store {
     }
 
     fn get_waiting(&self, id: &ObjectId, timeout: Duration, wait_if_absent: bool) -> Result<View> {
+        let (got, at_once) = self.get_uncounted(id, timeout, wait_if_absent)?;
+        self.count_get(at_once, got.is_ok());
+        got
+    }
+
+    /// A get that `stats` does not count, and whether it found the object sealed at once.
+    fn get_uncounted(
+        &self,
+        id: &ObjectId,
+        timeout: Duration,
+        wait_if_absent: bool,
+    ) -> Result<(Result<View>, bool)> {
+        let actor = self.inner.actor()?;
+        // The common case first: sealed already, no clock read.
+        if let Pin::Pinned(r, e) = actor.table().pin_wait(id, None, Duration::ZERO)? {
+            return Ok((self.view(id, r, e), true));
+        }
+        Ok((self.wait_for(&actor, id, timeout, wait_if_absent), false))
+    }
+
+    /// For bindings that wait in slices (to run signal handlers between them): one slice
+    /// of a get, which `stats` does not count; the binding reports the whole get once
+    /// with [`count_get`](Self::count_get). Returns whether the object was sealed at once.
+    #[doc(hidden)]
+    pub fn get_slice(
+        &self,
+        id: &ObjectId,
+        slice: Duration,
+        wait_if_absent: bool,
+    ) -> Result<(Result<View>, bool)> {
+        self.get_uncounted(id, slice, wait_if_absent)
+    }
+
+    /// Counts one get in `stats`: found at once (a hit), found after waiting, or not
+    /// found. For bindings that wait with [`get_slice`](Self::get_slice).
+    #[doc(hidden)]
+    pub fn count_get(&self, at_once: bool, found: bool) {
+        if let Ok(actor) = self.inner.actor() {
+            actor.count(match (found, at_once) {
+                (true, true) => Event::GetHit,
+                (true, false) => Event::GetWaited,
+                (false, _) => Event::GetMissed,
+            });
+        }
+    }
+
+    fn wait_for(
+        &self,
+        actor: &Actor<'_>,
+        id: &ObjectId,
+        timeout: Duration,
+        wait_if_absent: bool,
+    ) -> Result<View> {
         let start = Instant::now();
         let deadline = deadline_after(start, timeout);
-        let inner = &self.inner;
-        let actor = inner.actor()?;
         let table = actor.table();
-        let mut spin = inner.get_spin;
+        let mut spin = self.inner.get_spin;
         // The creator we saw working on the id: (client index, its ctl then, its pid).
         let mut creator: Option<(u16, u64, u64)> = None;
         loop {
@@ -610,14 +661,16 @@ impl Store {
     /// # Ok::<(), shmstore::Error>(())
     /// ```
     pub fn try_get(&self, id: &ObjectId) -> Result<View> {
-        match self
-            .inner
-            .actor()?
-            .table()
-            .pin_wait(id, None, Duration::ZERO)?
-        {
-            Pin::Pinned(r, e) => self.view(id, r, e),
-            _ => Err(Error::NotFound { id: *id }),
+        let actor = self.inner.actor()?;
+        match actor.table().pin_wait(id, None, Duration::ZERO)? {
+            Pin::Pinned(r, e) => {
+                actor.count(Event::GetHit);
+                self.view(id, r, e)
+            }
+            _ => {
+                actor.count(Event::GetMissed);
+                Err(Error::NotFound { id: *id })
+            }
         }
     }
 
@@ -705,36 +758,34 @@ impl Store {
     /// # Ok::<(), shmstore::Error>(())
     /// ```
     pub fn stats(&self) -> Stats {
-        let u = self.inner.alloc().usage();
+        let inner = &self.inner;
+        let census = inner.globals.census(inner.client_headers());
+        let [inserted, _, _, deleted, _, _, _, payload_in, hit, miss, waited, full, evicted, _] =
+            census.sums;
+        let capacity = inner.sb.heap_size;
         let mut st = Stats {
-            capacity: u.capacity,
-            used: u.used,
-            free: u.free,
-            largest_free: u.largest_free,
-            table_slots: self.inner.sb.table_slots,
-            evictions: self
-                .inner
-                .globals
-                .evictions
-                .load(crate::sync::Ordering::Relaxed),
-            huge_pages: self.inner.map.huge_pages(),
+            capacity,
+            used: census.used.min(capacity),
+            free: capacity.saturating_sub(census.used),
+            largest_free: inner.alloc().largest_free(),
+            objects: census.objects,
+            creating: census.creating,
+            pins: census.pins,
+            draining: census.draining,
+            table_slots: inner.sb.table_slots,
+            evictions: evicted,
+            huge_pages: inner.map.huge_pages(),
+            page_size: inner.map.page_size(),
+            max_clients: inner.sb.max_clients,
+            creates: inserted,
+            bytes_created: payload_in,
+            deletes: deleted.saturating_sub(evicted),
+            gets_hit: hit,
+            gets_waited: waited,
+            gets_missed: miss,
+            full_events: full,
             ..Default::default()
         };
-        let table = self.inner.lookup_table();
-        table.scan(|i, c, _, _| {
-            match c.state() {
-                _ if c.sealed() => st.objects += 1,
-                CREATING => st.creating += 1,
-                DELETED => st.draining += 1,
-                _ => {}
-            }
-            let pins = table.pins_of(i);
-            if pins > 0 && (c.sealed() || c.state() == DELETED) {
-                st.pinned += 1;
-                st.pins += pins;
-            }
-        });
-        let inner = &self.inner;
         match inner.actor() {
             Ok(actor) => {
                 let clients = actor.clients();
@@ -762,6 +813,42 @@ impl Store {
         st.sweep_pending = g.sweeps_owed.load(Ordering::Relaxed) != 0;
         st.leaked_blocks_freed = g.leaked_blocks_freed.load(Ordering::Relaxed);
         st
+    }
+
+    /// Bytes the allocator has handed out, by a scan of its bitmaps (O(capacity)). Equal
+    /// to [`Stats::used`] except for blocks a process killed inside an allocation left
+    /// behind, until the leak sweep frees them.
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// s.put(&shmstore::ObjectId::of_key("a"), &[0; 5000])?;
+    /// assert_eq!(s.allocated_bytes(), s.stats().used);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn allocated_bytes(&self) -> u64 {
+        self.inner.alloc().usage().used
+    }
+
+    /// Objects (sealed or draining) that at least one process pins now: a scan of the
+    /// table (O(objects)), for tools.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let s = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// s.put(&ObjectId::of_key("a"), b"x")?;
+    /// let v = s.try_get(&ObjectId::of_key("a"))?;
+    /// assert_eq!(s.pinned_objects(), 1);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn pinned_objects(&self) -> u64 {
+        let table = self.inner.lookup_table();
+        let mut n = 0;
+        table.scan(|i, c, _, _| {
+            if (c.sealed() || c.state() == DELETED) && table.pins_of(i) > 0 {
+                n += 1;
+            }
+        });
+        n
     }
 
     /// Recovers every client whose process died: drops its pins, aborts its unsealed
@@ -829,8 +916,9 @@ impl Store {
     }
 
     /// Checks every internal invariant: allocator bitmaps agree with their counts, every
-    /// table entry describes an allocated block inside the heap, no two blocks overlap, and
-    /// `used` equals the sum of the live blocks. Expensive (a full scan); meant for tests
+    /// table entry describes an allocated block inside the heap, no two blocks overlap,
+    /// `used` equals the sum of the live blocks, and the counters [`stats`](Self::stats)
+    /// reads agree with the table. Expensive (a full scan); meant for tests
     /// and diagnostics when nothing else is running.
     ///
     /// ```
@@ -903,6 +991,37 @@ impl Store {
             return Err(Error::Corrupted {
                 what: format!("allocator says {used} bytes used, table entries own {sum}"),
             });
+        }
+        // The counters `stats` adds up must say what the scan says, unless a client died
+        // inside a counted step and the sweep that sets the counts right is still owed.
+        if inner.globals.sweeps_owed.load(Ordering::Acquire) == 0 {
+            let census = inner.globals.census(inner.client_headers());
+            let (mut objects, mut creating, mut draining, mut pins) = (0, 0, 0, 0);
+            table.scan(|i, c, _, _| {
+                match c.state() {
+                    CREATING => creating += 1,
+                    DELETED => draining += 1,
+                    _ if c.sealed() => objects += 1,
+                    _ => {}
+                }
+                pins += table.pins_of(i);
+            });
+            let scanned = (sum, objects, creating, draining, pins);
+            let counted = (
+                census.used,
+                census.objects,
+                census.creating,
+                census.draining,
+                census.pins,
+            );
+            if scanned != counted {
+                return Err(Error::Corrupted {
+                    what: format!(
+                        "counters say (used, objects, creating, draining, pins) = \
+                         {counted:?}, the table says {scanned:?}"
+                    ),
+                });
+            }
         }
         Ok(())
     }

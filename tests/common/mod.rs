@@ -91,15 +91,25 @@ impl Proc {
     }
 }
 
+/// Whether a thread of `pid` sleeps in a *shared* futex wait, the store's kind (threads
+/// of the test harness itself sleep in private ones, e.g. the main thread joining the
+/// test's thread).
 fn blocked_in_futex(pid: u32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return false;
     };
+    let shared_futex_wait = |syscall: &str| {
+        // "<nr> <addr> <op> ...", hex arguments.
+        let mut f = syscall.split_whitespace();
+        let nr = f.next();
+        let op = f
+            .nth(1)
+            .and_then(|op| i64::from_str_radix(op.trim_start_matches("0x"), 16).ok());
+        nr == Some(&libc::SYS_futex.to_string())
+            && op.is_some_and(|op| op & libc::FUTEX_PRIVATE_FLAG as i64 == 0)
+    };
     tasks.flatten().any(|t| {
-        std::fs::read_to_string(t.path().join("syscall"))
-            .ok()
-            .and_then(|s| s.split_whitespace().next().map(str::to_owned))
-            .is_some_and(|nr| nr == libc::SYS_futex.to_string())
+        std::fs::read_to_string(t.path().join("syscall")).is_ok_and(|s| shared_futex_wait(&s))
             && std::fs::read_to_string(t.path().join("stat")).is_ok_and(|s| {
                 s.rsplit(')')
                     .next()

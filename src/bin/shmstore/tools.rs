@@ -48,14 +48,18 @@ fn human(b: u64) -> String {
 pub fn stat(name: &str, json: bool) -> Result<(), String> {
     let s = attach(name)?;
     let st = s.stats();
+    // A tool can afford the table scan the hot-path counters avoid.
+    let pinned = s.pinned_objects();
     // This tool is attached too; do not count it.
     let others = st.clients.saturating_sub(1);
     if json {
         println!(
-            "{{\"capacity\":{},\"used\":{},\"free\":{},\"largest_free\":{},\"objects\":{},\"creating\":{},\"draining\":{},\"pinned\":{},\"pins\":{},\"clients_alive\":{},\"clients_dead\":{},\"clients_recovered\":{},\"bytes_reclaimed\":{},\"sweep_pending\":{},\"evictions\":{},\"table_slots\":{}}}",
+            "{{\"capacity\":{},\"used\":{},\"free\":{},\"largest_free\":{},\"objects\":{},\"creating\":{},\"draining\":{},\"pinned\":{},\"pins\":{},\"clients_alive\":{},\"clients_dead\":{},\"clients_recovered\":{},\"bytes_reclaimed\":{},\"sweep_pending\":{},\"evictions\":{},\"table_slots\":{},\"page_size\":{},\"max_clients\":{},\"creates\":{},\"bytes_created\":{},\"deletes\":{},\"gets_hit\":{},\"gets_waited\":{},\"gets_missed\":{},\"full_events\":{}}}",
             st.capacity, st.used, st.free, st.largest_free, st.objects, st.creating, st.draining,
-            st.pinned, st.pins, others, st.dead_clients, st.recovered_clients, st.reclaimed_bytes,
-            st.sweep_pending, st.evictions, st.table_slots
+            pinned, st.pins, others, st.dead_clients, st.recovered_clients, st.reclaimed_bytes,
+            st.sweep_pending, st.evictions, st.table_slots, st.page_size, st.max_clients,
+            st.creates, st.bytes_created, st.deletes, st.gets_hit, st.gets_waited,
+            st.gets_missed, st.full_events
         );
         return Ok(());
     }
@@ -75,10 +79,20 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
         ("objects (sealed)", st.objects.to_string()),
         ("being created", st.creating.to_string()),
         ("deleted, draining", st.draining.to_string()),
+        ("pinned objects", format!("{} ({} pins)", pinned, st.pins)),
         (
-            "pinned objects",
-            format!("{} ({} pins)", st.pinned, st.pins),
+            "created",
+            format!("{} objects, {}", st.creates, human(st.bytes_created)),
         ),
+        ("deleted", st.deletes.to_string()),
+        (
+            "gets",
+            format!(
+                "{} hit, {} waited for a seal, {} missed",
+                st.gets_hit, st.gets_waited, st.gets_missed
+            ),
+        ),
+        ("store full", format!("{} times", st.full_events)),
         ("clients alive", others.to_string()),
         ("clients dead", st.dead_clients.to_string()),
         ("clients recovered", st.recovered_clients.to_string()),
@@ -94,6 +108,8 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
         ),
         ("evictions", st.evictions.to_string()),
         ("table slots", st.table_slots.to_string()),
+        ("client slots", st.max_clients.to_string()),
+        ("page size", human(st.page_size)),
     ];
     for (k, v) in rows {
         println!("{k:<20} {v}");
