@@ -41,6 +41,16 @@ pub enum Error {
         /// Bytes the file system has free.
         available: u64,
     },
+    /// Too few huge pages are free for a store created with
+    /// [`HugePages::Hugetlb`](crate::HugePages::Hugetlb).
+    HugePagesUnavailable {
+        /// Huge page size in bytes.
+        page_size: u64,
+        /// Pages the store needs.
+        needed: u64,
+        /// Pages free now.
+        free: u64,
+    },
     /// A store with this name already exists.
     StoreExists {
         /// The existing file.
@@ -202,6 +212,13 @@ impl fmt::Display for Error {
                 path.parent().unwrap_or(path).display(),
                 mib(*available),
                 mib(*needed)
+            ),
+            Error::HugePagesUnavailable { page_size, needed, free } => write!(
+                f,
+                "the store needs {needed} huge pages of {}, {free} are free: reserve more \
+                 (`sysctl -w vm.nr_hugepages=N`, or hugepages=N on the kernel command line), \
+                 or create the store without HugePages::Hugetlb",
+                mib(*page_size)
             ),
             Error::StoreExists { path } => write!(
                 f,

@@ -15,12 +15,13 @@
 //!          page bitmap       pages / 64 words      1 bit per 4 KiB heap page
 //!          slab descriptors  slabs x 136 B         state + block bitmap per 64 KiB unit
 //!          partial bitmaps   CLASSES x slabs/64    "slab of class c may have a free block"
-//!          table buckets     slots x 8 B           hopscotch neighbourhood bitmaps
+//!          table buckets     slots x 8 B           neighbourhood bitmaps (two bins each)
 //!          table slots       slots x 64 B          one cache line per object
 //!          pin counters      slots x stride x 2 B  one u16 per (slot, client), slot-major
-//!          clients           max_clients x 256 B   liveness, recovery state, op counters
-//! 64 KiB-aligned
+//!          clients           max_clients x 256 B   liveness, recovery state, counters
+//! 64 KiB-aligned (2 MiB-aligned from a 2 MiB heap: whole huge pages)
 //!          heap              capacity bytes        payloads (slabs and page runs)
+//!          (padding to a whole huge page on hugetlbfs; not part of the layout)
 //! ```
 //! See docs/design.md, "Memory layout".
 
@@ -31,7 +32,7 @@ use std::path::Path;
 /// Magic bytes at offset 0.
 pub(crate) const MAGIC: [u8; 8] = *b"SHMSTORE";
 /// Layout version; bump on any incompatible change.
-pub(crate) const LAYOUT_VERSION: u32 = 3;
+pub(crate) const LAYOUT_VERSION: u32 = 4;
 /// Heap page size: large objects are page-aligned runs of these.
 pub(crate) const PAGE: u64 = 4096;
 /// Slab unit: small objects live in 64 KiB slabs aligned to 64 KiB.
@@ -40,8 +41,12 @@ pub(crate) const SLAB: u64 = 64 * 1024;
 pub(crate) const PAGES_PER_SLAB: u64 = SLAB / PAGE;
 /// Number of futex wait buckets.
 pub(crate) const WAIT_BUCKETS: u64 = 256;
-/// Hopscotch neighbourhood: an object lives within this many slots of its home.
+/// Neighbourhood: an object lives in one of this many slots (two bins of 16) chosen by its
+/// home (see `crate::table`).
 pub(crate) const NEIGHBORHOOD: u64 = 32;
+/// Heaps of at least this size start on a 2 MiB boundary (a huge page), so that a store
+/// on huge pages has whole pages to protect (read-only attach) and populate.
+pub(crate) const HUGE_ALIGN_FROM: u64 = 2 << 20;
 /// Size of the store-wide globals (clock hand, counters of clients that left, space
 /// waiters, corrections).
 pub(crate) const GLOBALS_SIZE: u64 = 512;
@@ -167,7 +172,14 @@ impl Params {
         let slots_offset = take(self.table_slots * 64, 64);
         let pins_offset = take(self.table_slots * pin_stride * 2, 64);
         let clients_offset = take(self.max_clients * client_stride, 64);
-        let heap_offset = take(self.heap_size, SLAB);
+        // A heap of 2 MiB or more starts on a 2 MiB boundary, so that with huge pages
+        // its first page is whole (read-only attach protects it page by page).
+        let heap_align = if self.heap_size >= HUGE_ALIGN_FROM {
+            2 << 20
+        } else {
+            SLAB
+        };
+        let heap_offset = take(self.heap_size, heap_align);
         Ok(Superblock {
             magic: MAGIC,
             version: LAYOUT_VERSION,

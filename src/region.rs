@@ -25,7 +25,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-/// Transparent huge pages for the mapping.
+/// Huge pages for the store's memory: one page-table entry per 2 MiB instead of per
+/// 4 KiB (a 100 GiB store costs each attached process ~200 MiB of page tables with 4 KiB
+/// pages, ~0.4 MiB with 2 MiB pages; docs/design.md, "Prefaulting and page tables").
 ///
 /// ```
 /// let cfg = shmstore::StoreConfig { huge_pages: shmstore::HugePages::Try, ..Default::default() };
@@ -33,13 +35,65 @@ use std::path::{Path, PathBuf};
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum HugePages {
-    /// Normal 4 KiB pages.
+    /// Normal pages (4 KiB on tmpfs). A named store in a hugetlbfs directory still gets
+    /// that file system's huge pages.
     #[default]
     Off,
     /// Ask for transparent huge pages (`MADV_HUGEPAGE`); silently use normal pages where
-    /// the kernel has none for shared memory. [`crate::Stats::huge_pages`] says what
-    /// happened. For hugetlbfs, point [`crate::StoreConfig::dir`] at its mount instead.
+    /// the kernel has none for shared memory (`shmem_enabled = never`, the usual default).
+    /// [`crate::Stats::huge_pages`] says what happened.
     Try,
+    /// Explicit huge pages (hugetlb), reserved by the administrator
+    /// (`sysctl vm.nr_hugepages`): an anonymous store is a `memfd` with `MFD_HUGETLB`; a
+    /// named store must be created in a hugetlbfs mount ([`crate::StoreConfig::dir`]).
+    /// Creation fails with [`crate::Error::HugePagesUnavailable`] when too few are free,
+    /// never later. [`crate::Stats::page_size`] reports the page size in use.
+    Hugetlb,
+}
+
+/// `statfs` magic of hugetlbfs.
+const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+
+/// What `fstatfs` says about the file system of `fd`: (is it hugetlbfs, its block size).
+fn fs_of(fd: libc::c_int) -> Option<(bool, u64)> {
+    // SAFETY: statfs is plain old data; all-zero is a valid value to overwrite.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid fd and out-pointer.
+    if unsafe { libc::fstatfs(fd, &mut st) } != 0 || st.f_bsize <= 0 {
+        return None;
+    }
+    Some((st.f_type as i64 == HUGETLBFS_MAGIC, st.f_bsize as u64))
+}
+
+/// Whether `dir` is on hugetlbfs.
+fn is_hugetlbfs(dir: &Path) -> bool {
+    let Ok(c) = CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs is plain old data; all-zero is a valid value to overwrite.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path, `st` a valid out-pointer.
+    unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == HUGETLBFS_MAGIC }
+}
+
+/// Free huge pages of the default size, from /proc/meminfo: (free pages, page size).
+pub(crate) fn free_huge_pages() -> Option<(u64, u64)> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.starts_with(name))?
+            .split_whitespace()
+            .nth(1)?
+            .parse::<u64>()
+            .ok()
+    };
+    Some((field("HugePages_Free:")?, field("Hugepagesize:")? << 10))
+}
+
+/// The length to map and reserve for a layout of `total` bytes on a file system with
+/// pages of `page` bytes: whole pages (hugetlbfs maps and allocates whole huge pages).
+fn whole_pages(total: u64, page: u64) -> u64 {
+    total.div_ceil(page.max(PAGE)) * page.max(PAGE)
 }
 
 /// A mapped region plus the file that backs it.
@@ -75,6 +129,9 @@ pub(crate) fn free_space(dir: &Path) -> Option<u64> {
 /// than a second prints a progress line on stderr (when `progress` is set).
 fn reserve(file: &File, len: u64, path: &Path, progress: bool) -> Result<()> {
     const STEP: u64 = 256 << 20;
+    if let Some((true, page)) = fs_of(file.as_raw_fd()) {
+        return reserve_huge(file, len, page);
+    }
     let start = std::time::Instant::now();
     let mut said = std::time::Duration::ZERO;
     let mut at = 0;
@@ -103,6 +160,26 @@ fn reserve(file: &File, len: u64, path: &Path, progress: bool) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Reserves `len` bytes of huge pages of `page` bytes in one call: the kernel takes and
+/// zeroes every huge page now, so a shortage is an error here and never a SIGBUS later.
+fn reserve_huge(file: &File, len: u64, page: u64) -> Result<()> {
+    // SAFETY: valid fd; fallocate only touches the file's blocks.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+    match rc {
+        0 => Ok(()),
+        libc::ENOSPC | libc::ENOMEM => Err(Error::HugePagesUnavailable {
+            page_size: page,
+            needed: len / page,
+            free: free_huge_pages().map_or(0, |(free, _)| free),
+        }),
+        e => Err(Error::Io {
+            op: "posix_fallocate (huge pages)",
+            path: PathBuf::from("<hugetlb>"),
+            source: io::Error::from_raw_os_error(e),
+        }),
+    }
 }
 
 fn reserve_range(file: &File, at: u64, n: u64, len: u64, path: &Path) -> Result<()> {
@@ -237,7 +314,9 @@ impl Mapping {
         if path.exists() {
             return Err(Error::StoreExists { path });
         }
-        if let Some(avail) = free_space(dir) {
+        // hugetlbfs reports no free space without a size= limit; its fallocate says.
+        let free = free_space(dir).filter(|_| !is_hugetlbfs(dir));
+        if let Some(avail) = free {
             if avail < sb.total_size {
                 return Err(Error::InsufficientSpace {
                     path,
@@ -262,8 +341,20 @@ impl Mapping {
             let _ = std::fs::remove_file(&tmp);
             e
         };
-        reserve(&file, sb.total_size, &path, progress).map_err(cleanup)?;
-        let map = map(&file, sb.total_size, &tmp).map_err(cleanup)?;
+        let (hugetlbfs, page) = fs_of(file.as_raw_fd()).unwrap_or((false, PAGE));
+        if huge == HugePages::Hugetlb && !hugetlbfs {
+            return Err(cleanup(Error::InvalidConfig {
+                reason: format!(
+                    "HugePages::Hugetlb needs a hugetlbfs directory, and {} is not one: \
+                     mount one (`mount -t hugetlbfs none /dev/hugepages`) and create the \
+                     store there, or create an anonymous store",
+                    dir.display()
+                ),
+            }));
+        }
+        let len = whole_pages(sb.total_size, page);
+        reserve(&file, len, &path, progress).map_err(cleanup)?;
+        let map = map(&file, len, &tmp).map_err(cleanup)?;
         let m = Mapping::finish(map, file, Some(path.clone()), huge, prefault);
         m.write_superblock(sb);
         match std::fs::hard_link(&tmp, &path) {
@@ -290,19 +381,29 @@ impl Mapping {
         progress: bool,
     ) -> Result<Mapping> {
         let label = Path::new("memfd:shmstore");
+        let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+        if huge == HugePages::Hugetlb {
+            flags |= libc::MFD_HUGETLB;
+        }
         // SAFETY: valid NUL-terminated name; flags are valid for memfd_create.
-        let fd = unsafe {
-            libc::memfd_create(
-                c"shmstore".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            )
-        };
+        let fd = unsafe { libc::memfd_create(c"shmstore".as_ptr(), flags) };
         if fd < 0 {
-            return Err(io_err("memfd_create", label)(io::Error::last_os_error()));
+            let e = io::Error::last_os_error();
+            if huge == HugePages::Hugetlb {
+                return Err(Error::InvalidConfig {
+                    reason: format!(
+                        "memfd_create(MFD_HUGETLB) failed ({e}): this kernel offers no \
+                         huge-page memfd; create the store without HugePages::Hugetlb"
+                    ),
+                });
+            }
+            return Err(io_err("memfd_create", label)(e));
         }
         // SAFETY: memfd_create returned a fresh descriptor that nothing else owns.
         let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-        reserve(&file, sb.total_size, Path::new("/dev/shm/memfd"), progress)?;
+        let page = fs_of(file.as_raw_fd()).map_or(PAGE, |(_, page)| page);
+        let len = whole_pages(sb.total_size, page);
+        reserve(&file, len, Path::new("/dev/shm/memfd"), progress)?;
         // SAFETY: valid fd; sealing only restricts future size changes.
         let rc = unsafe {
             libc::fcntl(
@@ -316,7 +417,7 @@ impl Mapping {
                 io::Error::last_os_error(),
             ));
         }
-        let map = map(&file, sb.total_size, label)?;
+        let map = map(&file, len, label)?;
         let m = Mapping::finish(map, file, None, huge, prefault);
         m.write_superblock(sb);
         Ok(m)
@@ -354,7 +455,9 @@ impl Mapping {
         file.read_exact_at(&mut head, 0)
             .map_err(io_err("read superblock", &shown))?;
         let sb = Superblock::validate(&head, len, &shown)?;
-        let map = map(&file, sb.total_size, &shown)?;
+        // Whole pages where the file system has huge ones (the file was reserved so).
+        let page = fs_of(file.as_raw_fd()).map_or(PAGE, |(_, page)| page);
+        let map = map(&file, whole_pages(sb.total_size, page).min(len), &shown)?;
         let m = Mapping::finish(map, file, path, huge, prefault);
         // The file could have been rewritten between our pread and the mmap; check again
         // through the mapping (its length is already pinned by `total_size <= len`).
@@ -452,13 +555,7 @@ impl Mapping {
     /// The page size of the file system backing the store (`fstatfs`'s block size:
     /// 4096 on tmpfs, the huge page size on hugetlbfs).
     pub(crate) fn page_size(&self) -> u64 {
-        // SAFETY: statfs is plain old data; all-zero is a valid value to overwrite.
-        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-        // SAFETY: valid fd and out-pointer.
-        if unsafe { libc::fstatfs(self.file.as_raw_fd(), &mut st) } != 0 || st.f_bsize <= 0 {
-            return PAGE;
-        }
-        st.f_bsize as u64
+        fs_of(self.file.as_raw_fd()).map_or(PAGE, |(_, page)| page)
     }
 }
 

@@ -1,10 +1,14 @@
 //! The lock-free object table: id -> slot, with per-slot state and generation, and the
 //! per-client pin counters that keep a slot's block alive.
 //!
-//! Open addressing with hopscotch neighbourhoods. An id's *home* is `mix(id) & mask`; its
-//! entry lives in one of the [`NEIGHBORHOOD`] slots after the home. Each home has a bucket
-//! word `version << 32 | bitmap`, whose bit `d` says "slot home + d holds an entry whose home
-//! is this bucket". That word is the linearisation point of inserts and unlinks: an insert
+//! Open addressing with hopscotch-style neighbourhoods. An id's *home* is `mix(id) & mask`;
+//! its entry lives in one of the [`NEIGHBORHOOD`] slots of the home's neighbourhood: two
+//! aligned bins of 16 slots, the home's own and a second chosen by a hash of the home
+//! (two choices: the table fills ~85% of its slots before a neighbourhood runs out, where
+//! one window after the home gave out at ~45%). Entries never move once placed (pins name
+//! slots). Each home has a bucket word `version << 32 | bitmap`, whose bit `d` says "slot
+//! `d` of this home's neighbourhood holds an entry whose home is this bucket". That word
+//! is the linearisation point of inserts and unlinks: an insert
 //! publishes with one CAS that also proves no live entry with the same id was published
 //! since it last looked, so two racing creates of one id can never both succeed.
 //!
@@ -43,6 +47,15 @@
 use crate::alloc::{Block, BlockKind, CLASS_SIZES};
 use crate::error::{Error, Result};
 use crate::layout::{MAX_META, NEIGHBORHOOD, PAGE, WAIT_BUCKETS};
+
+/// Slots per bin: a neighbourhood is two bins.
+const BIN: u64 = NEIGHBORHOOD / 2;
+
+/// An insert stays in its home's first bin while that has at least this many free slots,
+/// and otherwise takes the emptier bin. Simulated: the same ~85% fill at the first full
+/// neighbourhood as always comparing both bins, reading 8 slots instead of 32 while the
+/// table is emptier (docs/design.md, "Table sizing").
+const ROOM_TO_SPARE: u32 = 8;
 use crate::sync::{fence, futex, AtomicU16, AtomicU32, AtomicU64, Ordering};
 use crate::ObjectId;
 use std::time::{Duration, Instant};
@@ -358,9 +371,62 @@ impl<'a> Table<'a> {
         id.mix() & self.mask
     }
 
+    /// The two bins of `home`'s neighbourhood: its own (`home / BIN`) and a second one
+    /// chosen by a hash of the home, never the same. Two choices per home let the table
+    /// fill ~85% of its slots before a neighbourhood runs out (one window of 32 slots
+    /// after the home gave out at ~45%: runs of full slots grow together).
+    fn bins(&self, home: u64) -> (u64, u64) {
+        let nbins = (self.mask + 1) / BIN; // a power of two, >= 2
+        let first = home / BIN;
+        let shift = 64 - nbins.trailing_zeros();
+        let mut other = home.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> shift;
+        if other == 0 {
+            other = 1;
+        }
+        (first, first ^ other)
+    }
+
+    /// Slot `d` (`< NEIGHBORHOOD`) of `home`'s neighbourhood: bits 0..16 of a bucket
+    /// name the slots of its first bin, bits 16..32 those of its second.
     fn slot(&self, home: u64, d: u64) -> (usize, &Slot) {
-        let i = ((home + d) & self.mask) as usize;
+        let (first, second) = self.bins(home);
+        let bin = if d < BIN { first } else { second };
+        let i = (bin * BIN + d % BIN) as usize;
         (i, &self.slots[i])
+    }
+
+    /// Which `d` of `home`'s neighbourhood slot `i` is, if it is in it.
+    fn distance(&self, home: u64, i: usize) -> Option<u64> {
+        let (first, second) = self.bins(home);
+        let (bin, at) = (i as u64 / BIN, i as u64 % BIN);
+        if bin == first {
+            Some(at)
+        } else if bin == second {
+            Some(BIN + at)
+        } else {
+            None
+        }
+    }
+
+    /// Free slots among `home`'s first bin, counting no further than `enough`.
+    fn free_in_first_bin(&self, home: u64, enough: u32) -> u32 {
+        let mut free = 0;
+        for d in 0..BIN {
+            if Ctl(self.slot(home, d).1.ctl.load(Ordering::Relaxed)).state() == FREE {
+                free += 1;
+                if free >= enough {
+                    break;
+                }
+            }
+        }
+        free
+    }
+
+    /// Free slots in `home`'s second bin.
+    fn free_in_second_bin(&self, home: u64) -> u32 {
+        (BIN..NEIGHBORHOOD)
+            .filter(|&d| Ctl(self.slot(home, d).1.ctl.load(Ordering::Relaxed)).state() == FREE)
+            .count() as u32
     }
 
     /// Slot `i`'s row of pin counters.
@@ -426,8 +492,18 @@ impl<'a> Table<'a> {
         let home = self.home(id);
         // Claim a free slot in the neighbourhood (not yet visible to lookups). RESERVED
         // carries our client index, so recovery can return the slot if we die here.
+        // Two choices: the first bin while it has room to spare, else the emptier bin
+        // (the counts are a snapshot; the claim below is what decides).
+        // Under loom the counts are skipped: they only choose which bin is tried first
+        // (every claim below is checked the same way either way), and each read would
+        // multiply the interleavings loom explores without adding a case.
+        let second_first = !cfg!(loom) && {
+            let first_free = self.free_in_first_bin(home, ROOM_TO_SPARE);
+            first_free < ROOM_TO_SPARE && self.free_in_second_bin(home) > first_free
+        };
+        let order = (0..NEIGHBORHOOD).map(|d| if second_first { d ^ BIN } else { d });
         let mut mine = None;
-        for d in 0..NEIGHBORHOOD {
+        for d in order {
             let (i, s) = self.slot(home, d);
             let c = Ctl(s.ctl.load(Ordering::Relaxed));
             if c.state() == FREE
@@ -792,10 +868,9 @@ impl<'a> Table<'a> {
     fn unlink(&self, i: usize) {
         let id = ObjectId::from_words(self.id_words(i));
         let home = self.home(&id);
-        let d = (i as u64).wrapping_sub(home) & self.mask;
-        if d >= NEIGHBORHOOD {
+        let Some(d) = self.distance(home, i) else {
             return;
-        }
+        };
         let bucket = &self.buckets[home as usize];
         let mut b = bucket.load(Ordering::Relaxed);
         while b & (1 << d) != 0 {
@@ -1202,6 +1277,55 @@ mod tests {
             kind: 1,
             creator: 3,
         }
+    }
+
+    #[test]
+    fn a_neighbourhood_is_two_distinct_bins_and_distance_inverts_slot() {
+        for slots in [32usize, 64, 1024] {
+            let h = HeapTable::new(slots);
+            let t = h.get();
+            for home in 0..slots as u64 {
+                let (first, second) = t.bins(home);
+                assert_eq!(first, home / BIN);
+                assert_ne!(first, second, "home {home} of {slots}");
+                assert!(second < slots as u64 / BIN);
+                let mut seen = std::collections::HashSet::new();
+                for d in 0..NEIGHBORHOOD {
+                    let (i, _) = t.slot(home, d);
+                    assert!(seen.insert(i), "home {home}: slot {i} twice");
+                    assert_eq!(t.distance(home, i), Some(d));
+                }
+                if let Some(outside) = (0..slots).find(|i| !seen.contains(i)) {
+                    assert_eq!(t.distance(home, outside), None);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn inserts_move_to_the_second_bin_when_the_first_fills() {
+        let h = HeapTable::new(64);
+        let t = h.get();
+        // Ids sharing one home, until its neighbourhood (both bins) is full.
+        let home = t.home(&ObjectId::of_key("k0"));
+        let same: Vec<ObjectId> = (0..100_000)
+            .map(|k| ObjectId::of_key(format!("k{k}")))
+            .filter(|id| t.home(id) == home)
+            .take(NEIGHBORHOOD as usize + 1)
+            .collect();
+        assert_eq!(same.len(), NEIGHBORHOOD as usize + 1);
+        for id in &same[..NEIGHBORHOOD as usize] {
+            t.insert(id, &e(0)).unwrap();
+        }
+        let b = t.buckets[home as usize].load(Ordering::Relaxed) as u32;
+        assert_eq!(b, u32::MAX, "every slot of both bins is this home's");
+        assert!(matches!(
+            t.insert(&same[NEIGHBORHOOD as usize], &e(0)),
+            Err(Error::TableFull {
+                objects: 32,
+                slots: 64
+            })
+        ));
     }
 
     #[test]

@@ -182,7 +182,9 @@ fn err(e: shmstore::Error) -> PyErr {
         | E::VersionMismatch { .. } => Corrupted::new_err(msg),
         E::StoreExists { .. } => StoreExists::new_err(msg),
         E::StoreNotFound { .. } => StoreNotFound::new_err(msg),
-        E::InsufficientSpace { .. } => InsufficientSpace::new_err(msg),
+        E::InsufficientSpace { .. } | E::HugePagesUnavailable { .. } => {
+            InsufficientSpace::new_err(msg)
+        }
         E::TooManyClients { .. } => TooManyClients::new_err(msg),
         E::TooManyPins { .. } => TooManyPins::new_err(msg),
         E::TableFull { .. } => TableFull::new_err(msg),
@@ -605,8 +607,10 @@ fn meta_object(py: Python<'_>, v: &MetaValue) -> PyResult<PyObject> {
 #[pymethods]
 impl PyStore {
     /// Creates a named store (`/dev/shm/NAME`, or a path) of `capacity` payload bytes.
+    /// `max_objects` and `max_clients` of 0 are chosen for the capacity (one object per
+    /// 32 KiB, at least 4096; 32 clients below 4 GiB, 64 from 4 GiB).
     #[staticmethod]
-    #[pyo3(signature = (name, capacity, *, max_objects=65536, max_clients=32, evict=false,
+    #[pyo3(signature = (name, capacity, *, max_objects=0, max_clients=0, evict=false,
                         remove_when_unused=false, prefault=false))]
     fn create(
         name: &str,

@@ -240,7 +240,11 @@ impl Inner {
     /// Checks and maps every section; no client slot yet.
     fn map_sections(map: Mapping, sb: Superblock, opts: &AttachOptions) -> Result<Arc<Inner>> {
         if opts.read_only {
-            map.protect_read_only(sb.heap_offset, sb.heap_size)?;
+            // To the end of the mapping: the heap is the last section, and a huge-page
+            // mapping can only change protection in whole pages (the tail past the heap
+            // is padding to a whole page).
+            let to_end = (map.len() as u64).saturating_sub(sb.heap_offset);
+            map.protect_read_only(sb.heap_offset, to_end.max(sb.heap_size))?;
         }
         let base = map.base();
         let total = map.len();

@@ -19,10 +19,14 @@ use std::time::Duration;
 pub struct StoreConfig {
     /// Payload bytes (rounded up to a multiple of 64 KiB). Metadata comes on top.
     pub capacity: u64,
-    /// Objects the table is sized for; the table has at least twice as many slots.
+    /// Objects the table is sized for; 0 (the default) chooses one object per 32 KiB of
+    /// capacity, at least 4096 ([`StoreConfig::objects_for`]). The table gets a power of
+    /// two of slots, at least 3/2 as many as this (docs/design.md, "Table sizing"). Each
+    /// slot costs 72 B plus 2 B per client slot.
     pub max_objects: u64,
-    /// Processes that may be attached at once. Each costs one 16-bit pin counter per
-    /// table slot (up to 32 clients fit one 64-byte row per slot).
+    /// Processes that may be attached at once; 0 (the default) chooses 32 below 4 GiB of
+    /// capacity and 64 from 4 GiB ([`StoreConfig::clients_for`]). Each costs one 16-bit
+    /// pin counter per table slot (rows are padded to multiples of 32 clients).
     pub max_clients: u32,
     /// Directory for named stores.
     pub dir: PathBuf,
@@ -57,6 +61,10 @@ pub struct StoreConfig {
 /// about to seal, short enough to cost little CPU when it is not.
 pub const DEFAULT_GET_SPIN: Duration = Duration::from_micros(50);
 
+/// Table slots per object of `max_objects`, as a fraction (at least; rounded up to a
+/// power of two).
+const SLOTS_PER_OBJECT: (u64, u64) = (3, 2);
+
 /// How often a get blocked on an unsealed object checks that its creator still runs.
 pub const CREATOR_CHECK_PERIOD: Duration = Duration::from_millis(20);
 
@@ -64,8 +72,8 @@ impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             capacity: 256 << 20,
-            max_objects: 1 << 16,
-            max_clients: 32,
+            max_objects: 0,
+            max_clients: 0,
             dir: PathBuf::from("/dev/shm"),
             mode: 0o600,
             prefault: false,
@@ -104,20 +112,59 @@ impl StoreConfig {
         }
     }
 
+    /// The `max_objects` a store of `capacity` bytes gets by default: one object per
+    /// 32 KiB, at least 4096 and at most 2^29. Multimodal items (images, audio, video
+    /// frames) are 100 KiB to tens of MiB, so the bytes run out long before the table;
+    /// a store of mostly smaller objects should set `max_objects` itself.
+    ///
+    /// ```
+    /// use shmstore::StoreConfig;
+    /// assert_eq!(StoreConfig::objects_for(4 << 30), 131_072);
+    /// assert_eq!(StoreConfig::objects_for(1 << 20), 4096);
+    /// ```
+    pub fn objects_for(capacity: u64) -> u64 {
+        (capacity / (32 << 10)).clamp(4096, 1 << 29)
+    }
+
+    /// The `max_clients` a store of `capacity` bytes gets by default: 32 below 4 GiB,
+    /// 64 from 4 GiB (a large store is usually shared by more engines and workers).
+    ///
+    /// ```
+    /// use shmstore::StoreConfig;
+    /// assert_eq!((StoreConfig::clients_for(1 << 30), StoreConfig::clients_for(4 << 30)), (32, 64));
+    /// ```
+    pub fn clients_for(capacity: u64) -> u32 {
+        if capacity < 4 << 30 {
+            32
+        } else {
+            64
+        }
+    }
+
     pub(super) fn params(&self) -> Params {
         let slab = crate::layout::SLAB;
+        let objects = match self.max_objects {
+            0 => Self::objects_for(self.capacity),
+            n => n,
+        };
+        let clients = match self.max_clients {
+            0 => Self::clients_for(self.capacity),
+            n => n,
+        };
+        // At most 2/3 of the slots hold objects at max_objects: a table turning over
+        // objects refuses none below ~70% (docs/design.md, "Table sizing").
         // Saturating: an absurd `max_objects` becomes a table too large to lay out, which
         // `Params::check` reports as a configuration error (not an overflow panic).
-        let slots = self
-            .max_objects
+        let slots = objects
             .max(16)
-            .saturating_mul(2)
+            .saturating_mul(SLOTS_PER_OBJECT.0)
+            .div_ceil(SLOTS_PER_OBJECT.1)
             .checked_next_power_of_two()
             .unwrap_or(u64::MAX);
         Params {
             heap_size: self.capacity.div_ceil(slab).saturating_mul(slab),
             table_slots: slots,
-            max_clients: self.max_clients as u64,
+            max_clients: clients as u64,
         }
     }
 }
