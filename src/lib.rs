@@ -79,7 +79,7 @@ pub use region::HugePages;
 pub use store::RawBlock;
 #[cfg(not(loom))]
 pub use store::{
-    AttachOptions, Creation, ObjectInfo, ObjectState, Stats, Store, StoreConfig, View,
+    AttachOptions, Creation, ObjectInfo, ObjectState, Objects, Stats, Store, StoreConfig, View,
     CREATOR_CHECK_PERIOD, DEFAULT_GET_SPIN,
 };
 

@@ -1112,6 +1112,20 @@ impl<'a> Table<'a> {
         }
     }
 
+    /// Slot `i`'s (ctl, id, entry) if it is not FREE and did not change while read
+    /// (seqlock-style, like lookups); for listings that walk the table lazily.
+    pub(crate) fn read_slot(&self, i: usize) -> Option<(Ctl, ObjectId, Entry)> {
+        let s = self.slots.get(i)?;
+        let c1 = Ctl(s.ctl.load(Ordering::Acquire));
+        if c1.state() == FREE {
+            return None;
+        }
+        let (w, e) = (self.id_words(i), self.entry(i));
+        fence(Ordering::Acquire);
+        let c2 = Ctl(s.ctl.load(Ordering::Relaxed));
+        (c2.0 == c1.0).then(|| (c1, ObjectId::from_words(w), e))
+    }
+
     /// Test hook: overwrites the `creator` of `id`'s live entry.
     pub(crate) fn set_creator(&self, id: &ObjectId, creator: u16) -> Result<()> {
         let home = self.home(id);

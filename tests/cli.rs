@@ -75,6 +75,63 @@ fn stat_ls_and_rm_a_live_store() {
 }
 
 #[test]
+fn ls_streams_every_object_and_stops_at_its_limit() {
+    let name = unique_name("ls-stream");
+    let s = Store::create(
+        &name,
+        &StoreConfig {
+            max_objects: 20_000,
+            ..StoreConfig::with_capacity(8 << 20)
+        },
+    )
+    .unwrap();
+    let _cleanup = common::Cleanup(s.path().unwrap().to_path_buf());
+    let n = 10_000u64;
+    for i in 0..n {
+        s.put(&ObjectId::of_key(format!("o{i}")), &i.to_le_bytes())
+            .unwrap();
+    }
+    let (ok, out, err) = shmstore(&["ls", &name]);
+    assert!(ok, "{err}");
+    assert_eq!(out.lines().count() as u64, n + 2, "header, objects, total");
+    assert!(
+        out.ends_with(&format!("{n} object(s)\n")),
+        "{}",
+        &out[out.len() - 80..]
+    );
+
+    let (ok, out, err) = shmstore(&["ls", &name, "--limit", "3"]);
+    assert!(ok, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 5, "{out}");
+    assert!(
+        lines[4].starts_with("3 object(s) shown (--limit 3"),
+        "{out}"
+    );
+    let (ok, out, _) = shmstore(&["ls", &name, "--json", "--limit", "2"]);
+    assert!(ok && out.trim_end().starts_with('[') && out.trim_end().ends_with(']'));
+    assert_eq!(out.matches("\"id\"").count(), 2, "{out}");
+    let (ok, _, err) = shmstore(&["ls", &name, "--limit", "many"]);
+    assert!(!ok && err.contains("--limit takes a number"), "{err}");
+
+    // A reader that goes away (`| head`) ends the listing; it is not an error to hang on.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_shmstore"))
+        .args(["ls", &name])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut first,
+    )
+    .unwrap();
+    assert!(first.starts_with("id"), "{first}");
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}");
+}
+
+#[test]
 fn rm_refuses_files_that_are_not_stores() {
     let path = std::path::PathBuf::from("/dev/shm").join(unique_name("notastore"));
     std::fs::write(&path, b"precious data").unwrap();

@@ -895,24 +895,30 @@ impl Store {
     /// # Ok::<(), shmstore::Error>(())
     /// ```
     pub fn list(&self) -> Vec<ObjectInfo> {
-        let mut out = Vec::new();
-        let table = self.inner.lookup_table();
-        table.scan(|i, c, id, e| {
-            let state = match c.state() {
-                CREATING => ObjectState::Creating,
-                _ if c.sealed() => ObjectState::Sealed,
-                DELETED => ObjectState::Draining,
-                _ => return,
-            };
-            out.push(ObjectInfo {
-                id,
-                len: e.len,
-                meta_len: e.meta_len,
-                state,
-                pins: table.pins_of(i),
-            });
-        });
-        out
+        self.objects().collect()
+    }
+
+    /// Every object in the table, read one slot at a time as the iterator advances (in
+    /// table order, not sorted): a listing of millions of objects starts at once, holds
+    /// one entry in memory, and can stop early (`shmstore ls --limit` does). Objects
+    /// created or deleted meanwhile may or may not appear; each one shown was in the
+    /// state shown when its slot was read.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let s = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// for k in ["a", "b", "c"] {
+    ///     s.put(&ObjectId::of_key(k), k.as_bytes())?;
+    /// }
+    /// assert_eq!(s.objects().take(2).count(), 2);
+    /// assert_eq!(s.objects().map(|o| o.len).sum::<u64>(), 3);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn objects(&self) -> Objects<'_> {
+        Objects {
+            table: self.inner.lookup_table(),
+            next: 0,
+        }
     }
 
     /// Checks every internal invariant: allocator bitmaps agree with their counts, every
@@ -1024,6 +1030,56 @@ impl Store {
             }
         }
         Ok(())
+    }
+}
+
+/// The objects of a store, read lazily from its table: see [`Store::objects`].
+///
+/// ```
+/// use shmstore::{ObjectId, ObjectState, Store, StoreConfig};
+/// let s = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+/// s.put(&ObjectId::of_key("a"), b"abc")?;
+/// let mut objects = s.objects();
+/// assert_eq!(objects.next().map(|o| o.state), Some(ObjectState::Sealed));
+/// assert!(objects.next().is_none());
+/// # Ok::<(), shmstore::Error>(())
+/// ```
+pub struct Objects<'a> {
+    table: crate::table::Table<'a>,
+    next: usize,
+}
+
+impl Iterator for Objects<'_> {
+    type Item = ObjectInfo;
+
+    fn next(&mut self) -> Option<ObjectInfo> {
+        while (self.next as u64) < self.table.capacity() {
+            let i = self.next;
+            self.next += 1;
+            let Some((c, id, e)) = self.table.read_slot(i) else {
+                continue;
+            };
+            let state = match c.state() {
+                CREATING => ObjectState::Creating,
+                _ if c.sealed() => ObjectState::Sealed,
+                DELETED => ObjectState::Draining,
+                _ => continue,
+            };
+            return Some(ObjectInfo {
+                id,
+                len: e.len,
+                meta_len: e.meta_len,
+                state,
+                pins: self.table.pins_of(i),
+            });
+        }
+        None
+    }
+}
+
+impl fmt::Debug for Objects<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Objects").field("next", &self.next).finish()
     }
 }
 

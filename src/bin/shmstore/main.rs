@@ -18,7 +18,9 @@ commands:
                              --quick  fewer samples, finishes in under 30 s
                              --json   print the figures as one JSON object
   stat NAME [--json]         capacity, use, objects, pins, clients alive and dead
-  ls NAME [--json]           every object with its size, state and pins
+  ls NAME [--json] [--limit N]
+                             every object with its size, state and pins, streamed in
+                             table order as it is read (--limit: the first N only)
   rm NAME                    remove a store's name (checks that it is a store first)
   recover NAME [--json]      reclaim what dead processes left: pins, unsealed objects,
                              half-done allocations (live processes also do this by themselves)
@@ -51,15 +53,34 @@ fn main() -> ExitCode {
             }
         }
         Some(cmd @ ("stat" | "ls" | "rm" | "recover")) => {
-            let json = args[1..].iter().any(|a| a == "--json");
-            let names: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with("--")).collect();
+            let mut json = false;
+            let mut limit = None;
+            let mut names = Vec::new();
+            let mut rest = args[1..].iter();
+            while let Some(a) = rest.next() {
+                match a.as_str() {
+                    "--json" => json = true,
+                    "--limit" if cmd == "ls" => match rest.next().map(|n| n.parse::<u64>()) {
+                        Some(Ok(n)) => limit = Some(n),
+                        _ => {
+                            eprintln!("shmstore ls: --limit takes a number\n\n{USAGE}");
+                            return ExitCode::from(2);
+                        }
+                    },
+                    other if other.starts_with("--") => {
+                        eprintln!("shmstore {cmd}: unknown option {other}\n\n{USAGE}");
+                        return ExitCode::from(2);
+                    }
+                    _ => names.push(a),
+                }
+            }
             let [name] = names[..] else {
                 eprintln!("shmstore {cmd}: give exactly one store NAME\n\n{USAGE}");
                 return ExitCode::from(2);
             };
             let r = match cmd {
                 "stat" => tools::stat(name, json),
-                "ls" => tools::ls(name, json),
+                "ls" => tools::ls(name, json, limit),
                 "recover" => tools::recover(name, json),
                 _ => tools::rm(name),
             };

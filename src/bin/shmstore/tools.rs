@@ -2,6 +2,7 @@
 //! `recover` attach read-only (the kernel forbids them to write payloads); none prefaults.
 
 use shmstore::{AttachOptions, ObjectState, Store};
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -130,48 +131,75 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
     Ok(())
 }
 
-pub fn ls(name: &str, json: bool) -> Result<(), String> {
+pub fn ls(name: &str, json: bool, limit: Option<u64>) -> Result<(), String> {
     let s = attach(name)?;
-    let mut list = s.list();
-    list.sort_by_key(|o| (o.state as u8, o.id));
+    // Streamed: each object is printed as its slot is read (a store of millions of
+    // objects lists at once, in constant memory). A reader that goes away (`| head`)
+    // just ends the listing.
+    match list_to(&mut std::io::stdout().lock(), &s, name, json, limit) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.to_string()),
+        _ => Ok(()),
+    }
+}
+
+fn list_to(
+    out: &mut impl Write,
+    s: &Store,
+    name: &str,
+    json: bool,
+    limit: Option<u64>,
+) -> std::io::Result<()> {
+    let mut out = std::io::BufWriter::new(out);
     let state = |st: ObjectState| match st {
         ObjectState::Creating => "creating",
         ObjectState::Sealed => "sealed",
         ObjectState::Draining => "draining",
     };
+    let objects = s.objects().take(limit.map_or(usize::MAX, |n| n as usize));
+    let mut shown = 0u64;
     if json {
-        let items: Vec<String> = list
-            .iter()
-            .map(|o| {
-                format!(
-                    "{{\"id\":\"{}\",\"len\":{},\"meta_len\":{},\"state\":\"{}\",\"pins\":{}}}",
-                    o.id,
-                    o.len,
-                    o.meta_len,
-                    state(o.state),
-                    o.pins
-                )
-            })
-            .collect();
-        println!("[{}]", items.join(","));
-        return Ok(());
+        write!(out, "[")?;
+        for o in objects {
+            let sep = if shown == 0 { "" } else { "," };
+            write!(
+                out,
+                "{sep}{{\"id\":\"{}\",\"len\":{},\"meta_len\":{},\"state\":\"{}\",\"pins\":{}}}",
+                o.id,
+                o.len,
+                o.meta_len,
+                state(o.state),
+                o.pins
+            )?;
+            shown += 1;
+        }
+        writeln!(out, "]")?;
+        return out.flush();
     }
-    println!(
+    writeln!(
+        out,
         "{:<64}  {:>12}  {:>6}  {:<8}  {:>5}",
         "id", "size", "meta", "state", "pins"
-    );
-    for o in &list {
-        println!(
+    )?;
+    for o in objects {
+        writeln!(
+            out,
             "{}  {:>12}  {:>6}  {:<8}  {:>5}",
             o.id,
             o.len,
             o.meta_len,
             state(o.state),
             o.pins
-        );
+        )?;
+        shown += 1;
     }
-    println!("{} object(s)", list.len());
-    Ok(())
+    match limit {
+        Some(n) if shown == n => writeln!(
+            out,
+            "{shown} object(s) shown (--limit {n}; `shmstore stat {name}` has the totals)"
+        )?,
+        _ => writeln!(out, "{shown} object(s)")?,
+    }
+    out.flush()
 }
 
 pub fn rm(name: &str) -> Result<(), String> {
