@@ -66,8 +66,15 @@ const SLAB_FREE_FAIL: Ordering = if crate::sync::mutation("slab_free_relaxed") {
 /// Searches before a page-run allocation reports the store full while claims by others
 /// were in flight (see `Allocator::alloc_pages`).
 const FULL_RETRIES: u32 = if cfg!(loom) { 4 } else { 64 };
-/// Page runs at least this long (4 MiB) are placed best-fit.
-const BEST_FIT_PAGES: u64 = 1024;
+/// Page runs at least this long (1 MiB: image and video tensors) are placed best-fit:
+/// the smallest free run that holds them among the runs that start within
+/// [`FIT_WINDOW`] pages of the first run that does, searched from the low-water mark.
+/// Large holes stay whole for large objects (measured against TLSF in `shmstore bench`,
+/// docs/benchmarks.md); the search reads at most one bitmap word per 256 KiB of the
+/// window (4096 words, a few microseconds), beside copying at least 1 MiB.
+const BEST_FIT_PAGES: u64 = 256;
+/// The best-fit window: 1 GiB of heap (the whole heap of a store up to 1 GiB).
+const FIT_WINDOW: u64 = 1 << 18;
 /// Largest request served from slabs.
 pub(crate) const MAX_SMALL: u64 = 16384;
 const BITMAP_WORDS: usize = 16;
@@ -227,6 +234,24 @@ impl<'a> Allocator<'a> {
 
     /// Allocates a block of at least `size` bytes (64-byte aligned; page-aligned above 16 KiB).
     pub(crate) fn alloc(&self, size: u64) -> Result<Block> {
+        self.try_alloc(size)?.ok_or_else(|| self.full(size))
+    }
+
+    /// The `Full` error for a request of `size` bytes, with the free bytes in whole pages
+    /// and the largest free run: a scan of the page bitmap (not of every slab), done
+    /// only when `Full` is reported, never while an allocation is still being tried.
+    pub(crate) fn full(&self, size: u64) -> Error {
+        let u = self.usage_with(false);
+        Error::Full {
+            requested: size.max(1),
+            free: u.free,
+            largest_free: u.largest_free,
+        }
+    }
+
+    /// Like [`alloc`](Self::alloc), but `None` when the store is full, without the
+    /// numbers (so that retry loops, e.g. eviction, cost no scan per attempt).
+    pub(crate) fn try_alloc(&self, size: u64) -> Result<Option<Block>> {
         let size = size.max(1);
         if size > self.max_object() {
             return Err(Error::TooLarge {
@@ -252,14 +277,7 @@ impl<'a> Allocator<'a> {
         if got.is_none() && self.flush_idle_slabs() {
             got = attempt()?;
         }
-        got.ok_or_else(|| {
-            let u = self.usage();
-            Error::Full {
-                requested: size,
-                free: u.free,
-                largest_free: u.largest_free,
-            }
-        })
+        Ok(got)
     }
 
     /// Returns a block. Fails with `Corrupted` if the block was not allocated (double free
@@ -416,16 +434,18 @@ impl<'a> Allocator<'a> {
 
     /// One search of [`alloc_pages`](Self::alloc_pages).
     fn search_and_claim(&self, n: u64, align: u64) -> Option<u64> {
+        let hint_word = self.cursor();
+        let hint = hint_word.load(Ordering::Relaxed).min(self.npages);
         if n >= BEST_FIT_PAGES && align == 1 {
             for _ in 0..4 {
-                let p = self.best_run(n)?;
+                // From the low-water mark (below it everything is taken), then from page
+                // 0 (the mark can be stale).
+                let p = self.best_run(n, hint).or_else(|| self.best_run(n, 0))?;
                 if self.claim_run(p, n).is_ok() {
                     return Some(p);
                 }
             }
         }
-        let hint_word = self.cursor();
-        let hint = hint_word.load(Ordering::Relaxed).min(self.npages);
         // First fit from the hint, then (the hint may be stale) from page 0.
         for (pass, lo) in [(0, hint), (1, 0)] {
             let mut p = lo;
@@ -463,20 +483,96 @@ impl<'a> Allocator<'a> {
         None
     }
 
-    /// The start of the smallest free run of at least `n` pages.
-    fn best_run(&self, n: u64) -> Option<u64> {
+    /// The start of the smallest free run of at least `n` pages at or after page `from`,
+    /// among the runs that start within [`FIT_WINDOW`] pages of the first one that fits
+    /// (lowest address on ties). One pass over the page bitmap, one load per word; a
+    /// word that is all free or all taken costs a compare.
+    fn best_run(&self, n: u64, from: u64) -> Option<u64> {
+        let words = self.npages.div_ceil(64) as usize;
+        let mut stop = words;
         let mut best: Option<(u64, u64)> = None;
-        let mut p = 0;
-        while let Some(f) = self.next_free(p, self.npages) {
-            let end = self.next_used(f, self.npages).unwrap_or(self.npages);
-            let len = end - f;
-            if len >= n && best.is_none_or(|(_, l)| len < l) {
-                best = Some((f, len));
-                if len == n {
+        let mut start: Option<u64> = None;
+        // A free run `[s, e)` ended: keep it if it fits better. True on an exact fit.
+        let mut consider = |s: u64, e: u64, stop: &mut usize| {
+            let len = e - s;
+            if len < n {
+                return false;
+            }
+            if best.is_none() {
+                *stop = (s.saturating_add(FIT_WINDOW).div_ceil(64) as usize).min(words);
+            }
+            if best.is_none_or(|(_, l)| len < l) {
+                best = Some((s, len));
+            }
+            len == n
+        };
+        let mut w = (from / 64) as usize;
+        // Words entirely inside the heap, for the fast paths below.
+        let whole = (self.npages / 64) as usize;
+        while w < stop {
+            // Inside a free run, or between runs: skip 8 words at a time while they are
+            // all free (resp. all taken): most of a large heap is one or the other.
+            if w as u64 != from / 64 {
+                let inside = start.is_some();
+                let skip_to = stop.min(whole);
+                while w + 8 <= skip_to {
+                    let eight = &self.pages[w..w + 8];
+                    let all = if inside {
+                        eight.iter().all(|x| x.load(Ordering::Relaxed) == 0)
+                    } else {
+                        eight.iter().all(|x| x.load(Ordering::Relaxed) == u64::MAX)
+                    };
+                    if !all {
+                        break;
+                    }
+                    w += 8;
+                }
+                if w >= stop {
                     break;
                 }
             }
-            p = end;
+            let base = w as u64 * 64;
+            let mut used = self.pages[w].load(Ordering::Relaxed);
+            if base + 64 > self.npages {
+                used |= !range_mask(0, self.npages - base); // past the heap: taken
+            }
+            if w as u64 == from / 64 {
+                used |= range_mask(0, from % 64); // before `from`: not ours to search
+            }
+            if used == 0 {
+                start.get_or_insert(base);
+            } else if used == u64::MAX {
+                if let Some(s) = start.take() {
+                    if consider(s, base, &mut stop) {
+                        break;
+                    }
+                }
+            } else {
+                // Alternate runs of free and taken bits within the word.
+                let mut b = 0u32;
+                while b < 64 {
+                    let rest = used >> b;
+                    if rest & 1 == 0 {
+                        start.get_or_insert(base + b as u64);
+                        b += if rest == 0 {
+                            64 - b
+                        } else {
+                            rest.trailing_zeros()
+                        };
+                    } else {
+                        if let Some(s) = start.take() {
+                            if consider(s, base + b as u64, &mut stop) {
+                                return best.map(|(f, _)| f);
+                            }
+                        }
+                        b += (!rest).trailing_zeros().min(64 - b);
+                    }
+                }
+            }
+            w += 1;
+        }
+        if let Some(s) = start {
+            consider(s, (w as u64 * 64).min(self.npages), &mut stop);
         }
         best.map(|(f, _)| f)
     }
@@ -1019,6 +1115,33 @@ mod tests {
         a.audit().unwrap();
         let u = a.usage();
         assert_eq!(u.used, 0, "{u:?}");
+    }
+
+    #[test]
+    fn large_runs_go_to_the_smallest_hole_that_holds_them() {
+        let h = HeapAllocator::new(16 << 20);
+        let a = h.get();
+        let mib = |n: u64| n << 20;
+        // Holes of 1.5, 1.1 and 2 MiB between kept blocks, then the free tail.
+        let mut keep = Vec::new();
+        let mut holes = Vec::new();
+        for hole in [mib(3) / 2, mib(11) / 10, mib(2)] {
+            keep.push(a.alloc(mib(1)).unwrap());
+            holes.push(a.alloc(hole).unwrap());
+        }
+        keep.push(a.alloc(mib(1)).unwrap());
+        let offsets: Vec<u64> = holes.iter().map(|b| b.offset).collect();
+        for b in holes {
+            a.free(b).unwrap();
+        }
+        // 1 MiB fits all three holes and the tail: the 1.1 MiB hole is the tightest.
+        assert_eq!(a.alloc(mib(1)).unwrap().offset, offsets[1]);
+        // 1.2 MiB: the 1.5 MiB hole; 1.8 MiB: the 2 MiB hole; 3 MiB: only the tail.
+        assert_eq!(a.alloc(mib(6) / 5).unwrap().offset, offsets[0]);
+        assert_eq!(a.alloc(mib(9) / 5).unwrap().offset, offsets[2]);
+        let tail = a.alloc(mib(3)).unwrap();
+        assert!(tail.offset > keep[3].offset, "{tail:?}");
+        a.audit().unwrap();
     }
 
     #[test]

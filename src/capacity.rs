@@ -146,7 +146,8 @@ impl Globals {
     }
 }
 
-/// Runs the CLOCK hand until `alloc` succeeds or two sweeps found nothing to evict.
+/// Runs the CLOCK hand until `alloc` succeeds (`Some`) or two sweeps found nothing to
+/// evict (`None`: still full).
 /// An evicted object's block is freed by the table (through the store's reclaimer) as
 /// soon as no pin counter holds it, which is at once unless a get raced the hand.
 pub(crate) fn evict_until_fits(
@@ -155,24 +156,19 @@ pub(crate) fn evict_until_fits(
     alloc: &Allocator<'_>,
     need: u64,
     evicted: &AtomicU64,
-) -> Result<Block> {
+) -> Result<Option<Block>> {
     let n = table.capacity();
-    let mut last = None;
     for _ in 0..2 * n {
         let i = globals.clock_hand.fetch_add(1, Ordering::Relaxed) % n;
         if table.clock_step(i as usize)? {
             evicted.fetch_add(1, Ordering::Relaxed);
-            match alloc.alloc(need) {
-                Ok(b) => return Ok(b),
-                Err(e @ Error::Full { .. }) => last = Some(e),
-                Err(e) => return Err(e),
+            // No numbers per attempt: a scan each would make eviction O(capacity).
+            if let Some(b) = alloc.try_alloc(need)? {
+                return Ok(Some(b));
             }
         }
     }
-    match last {
-        Some(e) => Err(e),
-        None => alloc.alloc(need),
-    }
+    alloc.try_alloc(need)
 }
 
 /// Retries `attempt` while it fails with `Full`, sleeping on the space bucket between

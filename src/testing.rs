@@ -348,7 +348,7 @@ impl Harness {
         }
         self.check()?;
         let st = self.store.stats();
-        if st.used != 0 || st.largest_free != st.capacity {
+        if st.used != 0 || self.store.largest_free() != st.capacity {
             return Err(format!("memory stranded after draining: {st:?}"));
         }
         Ok(())

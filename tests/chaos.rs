@@ -447,7 +447,8 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
         "leaked: {empty:?}"
     );
     assert_eq!(
-        empty.largest_free, empty.capacity,
+        store.largest_free(),
+        empty.capacity,
         "fragments left: {empty:?}"
     );
     // 3. nobody was blocked beyond its timeout.

@@ -409,7 +409,7 @@ fn producers_filling_a_store_to_just_under_capacity_never_see_a_spurious_full() 
                 .unwrap();
         }
         if full > 0 {
-            if store.stats().largest_free >= size as u64 {
+            if store.largest_free() >= size as u64 {
                 spurious += full;
             } else {
                 honest += full;

@@ -799,7 +799,6 @@ impl PyStore {
         d.set_item("capacity", st.capacity)?;
         d.set_item("used", st.used)?;
         d.set_item("free", st.free)?;
-        d.set_item("largest_free", st.largest_free)?;
         d.set_item("objects", st.objects)?;
         d.set_item("creating", st.creating)?;
         d.set_item("pins", st.pins)?;
@@ -823,6 +822,12 @@ impl PyStore {
         d.set_item("gets_missed", st.gets_missed)?;
         d.set_item("full_events", st.full_events)?;
         Ok(d)
+    }
+
+    /// The largest object that could be created now (a scan of the allocator's page
+    /// bitmap, one word per 256 KiB; for tools).
+    fn largest_free(&self) -> u64 {
+        self.s.largest_free()
     }
 
     /// Objects at least one process pins now (a table scan, O(objects); for tools).

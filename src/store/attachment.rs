@@ -737,32 +737,42 @@ impl<'a> Actor<'a> {
     /// evicts by CLOCK if the store says so.
     pub(super) fn alloc_block(&self, need: u64) -> Result<Block> {
         let inner = self.inner;
-        let first = inner.alloc().alloc(need);
-        let first = match first {
-            Err(Error::Full { .. }) if !inner.read_only => {
-                let r = self.recover();
-                if r.bytes_reclaimed > 0 {
-                    inner.alloc().alloc(need)
-                } else {
-                    first
-                }
-            }
-            other => other,
-        };
-        let got = match first {
-            Err(Error::Full { .. }) if inner.evicts() => capacity::evict_until_fits(
+        let alloc = inner.alloc();
+        // Attempts report "full" as None, without numbers: the numbers cost a scan,
+        // paid once below if the answer stays "full".
+        let mut got = alloc.try_alloc(need)?;
+        if got.is_none() && !inner.read_only && self.recover().bytes_reclaimed > 0 {
+            got = alloc.try_alloc(need)?;
+        }
+        if got.is_none() && inner.evicts() {
+            got = capacity::evict_until_fits(
                 inner.globals,
                 &self.table(),
-                &inner.alloc(),
+                &alloc,
                 need,
                 &self.header().counters.evicted,
-            ),
-            other => other,
-        };
-        if matches!(got, Err(Error::Full { .. })) {
-            self.header().counters.full.fetch_add(1, Ordering::Relaxed);
+            )?;
         }
-        got
+        if let Some(b) = got {
+            return Ok(b);
+        }
+        self.header().counters.full.fetch_add(1, Ordering::Relaxed);
+        let Error::Full {
+            requested,
+            largest_free,
+            ..
+        } = alloc.full(need)
+        else {
+            unreachable!("Allocator::full returns Full");
+        };
+        // Free bytes as `stats` counts them (blocks free inside slabs too), from the
+        // counters rather than a scan of every slab.
+        let used = inner.globals.census(inner.client_headers()).used;
+        Err(Error::Full {
+            requested,
+            free: inner.sb.heap_size.saturating_sub(used),
+            largest_free,
+        })
     }
 
     /// Client `c` of an object's `creator` field (untrusted): its `ctl` and liveness.

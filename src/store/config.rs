@@ -230,8 +230,6 @@ pub struct Stats {
     pub used: u64,
     /// `capacity - used`.
     pub free: u64,
-    /// The largest block that could be allocated now.
-    pub largest_free: u64,
     /// Sealed objects.
     pub objects: u64,
     /// Objects being written.

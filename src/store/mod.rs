@@ -767,7 +767,6 @@ impl Store {
             capacity,
             used: census.used.min(capacity),
             free: capacity.saturating_sub(census.used),
-            largest_free: inner.alloc().largest_free(),
             objects: census.objects,
             creating: census.creating,
             pins: census.pins,
@@ -827,6 +826,20 @@ impl Store {
     /// ```
     pub fn allocated_bytes(&self) -> u64 {
         self.inner.alloc().usage().used
+    }
+
+    /// The largest object that could be created now: a scan of the allocator's page
+    /// bitmap (one word per 256 KiB of capacity), for tools and `Full` diagnostics;
+    /// [`stats`](Self::stats) does not scan.
+    ///
+    /// ```
+    /// use shmstore::{Store, StoreConfig};
+    /// let s = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// assert_eq!(s.largest_free(), s.stats().capacity);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn largest_free(&self) -> u64 {
+        self.inner.alloc().largest_free()
     }
 
     /// Objects (sealed or draining) that at least one process pins now: a scan of the

@@ -8,7 +8,8 @@
 //! 4. seal -> wake across processes           beside a bare futex ping-pong
 //! 5. put at 1/16/64 MiB                       beside memcpy into a warm buffer
 //! 6. engine -> 2 workers, 16 and 64 MiB       beside the same bytes over unix sockets
-//! 7. allocator alloc + free, churn            beside glibc malloc + free
+//! 7. allocator alloc + free                   beside glibc malloc + free
+//! 8. fragmentation: churn and vLLM-like mixes beside rlsf (TLSF) on the same traces
 
 use crate::child::ids;
 use crate::ipc::{
@@ -16,7 +17,7 @@ use crate::ipc::{
     Ordering, Worker,
 };
 use crate::report::{ns, ratio, Report};
-use shmstore::{Error, ObjectId, Store, StoreConfig};
+use shmstore::{ObjectId, Store, StoreConfig};
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -516,95 +517,27 @@ pub fn run(opts: &Options) -> Result<(), String> {
     Ok(())
 }
 
-/// Random create/delete churn with sizes log-uniform from 1 KiB to 256 MiB on the 1 GiB
-/// store, run near full (on `Full`, delete random objects until the request fits).
+/// Fragmentation against a reference allocator (see `frag`), then: after everything is
+/// deleted, does the whole capacity fit as one object again (nothing stranded)?
 fn churn(store: &Store, ops: usize, r: &mut Report) -> Result<(), String> {
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let mut rnd = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    let mut live: Vec<ObjectId> = Vec::new();
-    let (mut frag_failures, mut full_events) = (0u64, 0u64);
-    let (lo, hi) = ((1u64 << 10) as f64, (256u64 << 20) as f64);
-    for i in 0..ops {
-        let u = (rnd() >> 11) as f64 / (1u64 << 53) as f64;
-        let size = (lo * (hi / lo).powf(u)) as u64;
-        let id = ObjectId::of_key(format!("churn-{i}"));
-        loop {
-            match store.create_object(&id, size) {
-                Ok(c) => {
-                    c.seal().map_err(err)?;
-                    live.push(id);
-                    break;
-                }
-                Err(Error::Full {
-                    requested, free, ..
-                }) => {
-                    full_events += 1;
-                    if free >= requested {
-                        frag_failures += 1;
-                    }
-                    if live.is_empty() {
-                        return Err("churn: store full with nothing to delete".into());
-                    }
-                    let k = (rnd() as usize) % live.len();
-                    store.delete(&live.swap_remove(k)).map_err(err)?;
-                }
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-    }
-    let st = store.stats();
-    r.fig("churn_ops", ops as f64);
-    r.fig("churn_full_events", full_events as f64);
-    r.fig("churn_frag_failures", frag_failures as f64);
-    let used_frac = r.fig(
-        "churn_end_used_fraction",
-        st.used as f64 / st.capacity as f64,
-    );
-    r.fig("churn_end_free_bytes", st.free as f64);
-    r.fig("churn_end_largest_free_bytes", st.largest_free as f64);
-    let usable = r.fig(
-        "churn_end_largest_free_over_free",
-        if st.free == 0 {
-            1.0
-        } else {
-            st.largest_free as f64 / st.free as f64
-        },
-    );
+    crate::frag::compare(store, ops, r)?;
     store.check_invariants().map_err(err)?;
-    delete_all(store, &live);
     let after = store.stats();
-    // The largest object that still fits: try it.
     let fits = store
         .raw_alloc(after.capacity)
         .map(|b| store.raw_free(b))
         .is_ok();
     let recovered = r.fig(
         "after_churn_usable_fraction",
-        after.largest_free as f64 / after.capacity as f64,
+        store.largest_free() as f64 / after.capacity as f64,
     );
     r.fig(
         "after_churn_largest_object_bytes",
         if fits {
             after.capacity as f64
         } else {
-            after.largest_free as f64
+            store.largest_free() as f64
         },
-    );
-    r.row(
-        format!("churn {ops} ops, 1 KiB..256 MiB, near full"),
-        format!(
-            "{:.0}% used, largest free = {:.0}% of free",
-            used_frac * 100.0,
-            usable * 100.0
-        ),
-        format!("{frag_failures} of {full_events} 'full' had enough free bytes"),
-        "-".into(),
-        "no stranded memory",
     );
     r.row(
         "after churn, all deleted: largest object",

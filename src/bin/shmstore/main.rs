@@ -4,6 +4,7 @@
 
 mod bench;
 mod child;
+mod frag;
 mod ipc;
 mod report;
 mod tools;

@@ -56,7 +56,7 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
     if json {
         println!(
             "{{\"capacity\":{},\"used\":{},\"free\":{},\"largest_free\":{},\"objects\":{},\"creating\":{},\"draining\":{},\"pinned\":{},\"pins\":{},\"clients_alive\":{},\"clients_dead\":{},\"clients_recovered\":{},\"bytes_reclaimed\":{},\"sweep_pending\":{},\"evictions\":{},\"table_slots\":{},\"page_size\":{},\"max_clients\":{},\"creates\":{},\"bytes_created\":{},\"deletes\":{},\"gets_hit\":{},\"gets_waited\":{},\"gets_missed\":{},\"full_events\":{}}}",
-            st.capacity, st.used, st.free, st.largest_free, st.objects, st.creating, st.draining,
+            st.capacity, st.used, st.free, s.largest_free(), st.objects, st.creating, st.draining,
             pinned, st.pins, others, st.dead_clients, st.recovered_clients, st.reclaimed_bytes,
             st.sweep_pending, st.evictions, st.table_slots, st.page_size, st.max_clients,
             st.creates, st.bytes_created, st.deletes, st.gets_hit, st.gets_waited,
@@ -76,7 +76,7 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
             ),
         ),
         ("free", human(st.free)),
-        ("largest free block", human(st.largest_free)),
+        ("largest free block", human(s.largest_free())),
         ("objects (sealed)", st.objects.to_string()),
         ("being created", st.creating.to_string()),
         ("deleted, draining", st.draining.to_string()),

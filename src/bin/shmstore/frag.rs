@@ -1,0 +1,293 @@
+//! Fragmentation, measured against a reference: the same allocation traces (same seed,
+//! sizes and delete policy) run through the store and through rlsf, a TLSF allocator
+//! (two-level segregated fit, the usual choice for bounded-time allocation over a fixed
+//! arena) managing an arena of the same size, in the same run.
+//!
+//! Occupancy is payload bytes of live objects over capacity, for both: what a user can
+//! actually keep in the store, whatever each allocator rounds or adds per block.
+
+use crate::report::Report;
+use shmstore::{Error, ObjectId, Store};
+use std::alloc::Layout;
+use std::mem::MaybeUninit;
+use std::ptr::NonNull;
+
+/// Something that places blocks in a fixed arena.
+trait Arena {
+    /// A handle for `size` bytes, or `None` when the arena cannot place it now.
+    fn alloc(&mut self, size: u64) -> Result<Option<usize>, String>;
+    fn free(&mut self, handle: usize) -> Result<(), String>;
+}
+
+/// The store itself: create + seal, delete (the path every user takes).
+struct StoreArena<'a> {
+    store: &'a Store,
+    ids: Vec<Option<ObjectId>>,
+}
+
+impl Arena for StoreArena<'_> {
+    fn alloc(&mut self, size: u64) -> Result<Option<usize>, String> {
+        let id = ObjectId::of_key(format!("frag-{}", self.ids.len()));
+        match self.store.create_object(&id, size) {
+            Ok(c) => {
+                c.seal().map_err(|e| e.to_string())?;
+                self.ids.push(Some(id));
+                Ok(Some(self.ids.len() - 1))
+            }
+            Err(Error::Full { .. }) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn free(&mut self, handle: usize) -> Result<(), String> {
+        let id = self.ids[handle].take().ok_or("freed twice")?;
+        self.store.delete(&id).map_err(|e| e.to_string())
+    }
+}
+
+/// rlsf's TLSF over a private arena of the same size (64-byte alignment, like the
+/// store's blocks).
+struct TlsfArena<'p> {
+    tlsf: rlsf::Tlsf<'p, u32, u32, 28, 16>,
+    blocks: Vec<Option<NonNull<u8>>>,
+}
+
+const ALIGN: usize = 64;
+
+impl<'p> TlsfArena<'p> {
+    fn new(pool: &'p mut [MaybeUninit<u8>]) -> Self {
+        let mut tlsf = rlsf::Tlsf::new();
+        tlsf.insert_free_block(pool);
+        TlsfArena {
+            tlsf,
+            blocks: Vec::new(),
+        }
+    }
+}
+
+impl Arena for TlsfArena<'_> {
+    fn alloc(&mut self, size: u64) -> Result<Option<usize>, String> {
+        let layout = Layout::from_size_align(size as usize, ALIGN).map_err(|e| e.to_string())?;
+        Ok(self.tlsf.allocate(layout).map(|p| {
+            self.blocks.push(Some(p));
+            self.blocks.len() - 1
+        }))
+    }
+
+    fn free(&mut self, handle: usize) -> Result<(), String> {
+        let p = self.blocks[handle].take().ok_or("freed twice")?;
+        // SAFETY: `p` came from this allocator's `allocate` with alignment ALIGN and is
+        // freed once (its slot is taken above).
+        unsafe { self.tlsf.deallocate(p, ALIGN) };
+        Ok(())
+    }
+}
+
+/// xorshift64: the same sequence for both allocators.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Live objects: (handle, payload bytes).
+#[derive(Default)]
+struct Live {
+    objects: Vec<(usize, u64)>,
+    bytes: u64,
+}
+
+impl Live {
+    fn add(&mut self, h: usize, size: u64) {
+        self.objects.push((h, size));
+        self.bytes += size;
+    }
+
+    fn remove_random(&mut self, a: &mut dyn Arena, rng: &mut Rng) -> Result<(), String> {
+        let k = (rng.next() % self.objects.len() as u64) as usize;
+        let (h, size) = self.objects.swap_remove(k);
+        self.bytes -= size;
+        a.free(h)
+    }
+
+    fn clear(&mut self, a: &mut dyn Arena) -> Result<(), String> {
+        for (h, _) in self.objects.drain(..) {
+            a.free(h)?;
+        }
+        self.bytes = 0;
+        Ok(())
+    }
+}
+
+struct Churn {
+    full_events: u64,
+    /// `Full` while the free bytes in total were enough.
+    frag_failures: u64,
+    end_occupancy: f64,
+}
+
+/// Random creates with sizes log-uniform in `lo..hi`, kept near full: on `Full`, delete
+/// random objects until the request fits.
+fn churn(a: &mut dyn Arena, capacity: u64, ops: usize, lo: u64, hi: u64) -> Result<Churn, String> {
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let mut live = Live::default();
+    let (mut full_events, mut frag_failures) = (0, 0);
+    for _ in 0..ops {
+        let size = (lo as f64 * (hi as f64 / lo as f64).powf(rng.unit())) as u64;
+        loop {
+            if let Some(h) = a.alloc(size)? {
+                live.add(h, size);
+                break;
+            }
+            full_events += 1;
+            if capacity - live.bytes >= size {
+                frag_failures += 1;
+            }
+            if live.objects.is_empty() {
+                return Err(format!("{size} B does not fit in an empty arena"));
+            }
+            live.remove_random(a, &mut rng)?;
+        }
+    }
+    let end_occupancy = live.bytes as f64 / capacity as f64;
+    live.clear(a)?;
+    Ok(Churn {
+        full_events,
+        frag_failures,
+        end_occupancy,
+    })
+}
+
+/// A vLLM-like size mix: processed images of 1-4 MiB, and with `videos`, one item in ten
+/// a video of 10-30 MiB.
+fn item_size(rng: &mut Rng, videos: bool) -> u64 {
+    let (lo, hi) = if videos && rng.next() % 10 == 0 {
+        (10u64 << 20, 30u64 << 20)
+    } else {
+        (1u64 << 20, 4u64 << 20)
+    };
+    lo + (rng.unit() * (hi - lo) as f64) as u64
+}
+
+/// Fills the empty arena until the first `Full` and returns the occupancy then; then
+/// `rounds` times deletes a random quarter and fills again, and returns the lowest
+/// occupancy at those later `Full`s.
+fn fill_until_full(
+    a: &mut dyn Arena,
+    capacity: u64,
+    videos: bool,
+    rounds: usize,
+) -> Result<(f64, f64), String> {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut live = Live::default();
+    let mut at_full = Vec::new();
+    for _ in 0..=rounds {
+        loop {
+            let size = item_size(&mut rng, videos);
+            match a.alloc(size)? {
+                Some(h) => live.add(h, size),
+                None => break,
+            }
+        }
+        at_full.push(live.bytes as f64 / capacity as f64);
+        for _ in 0..live.objects.len() / 4 {
+            live.remove_random(a, &mut rng)?;
+        }
+    }
+    live.clear(a)?;
+    let later = at_full[1..].iter().copied().fold(1.0, f64::min);
+    Ok((at_full[0], later))
+}
+
+/// Runs every trace on the (empty) store and on TLSF over an arena of its capacity.
+pub fn compare(store: &Store, churn_ops: usize, r: &mut Report) -> Result<(), String> {
+    let capacity = store.stats().capacity;
+    let mut pool: Vec<MaybeUninit<u8>> = Vec::with_capacity(capacity as usize);
+    // SAFETY: MaybeUninit<u8> needs no initialisation; the capacity was just reserved.
+    // (The pages stay untouched until TLSF writes a block header into them.)
+    unsafe { pool.set_len(capacity as usize) };
+    let mut ours = StoreArena {
+        store,
+        ids: Vec::new(),
+    };
+    let mut reference = TlsfArena::new(&mut pool);
+    let (lo, hi) = (1u64 << 10, 256u64 << 20);
+    let a = churn(&mut ours, capacity, churn_ops, lo, hi)?;
+    let b = churn(&mut reference, capacity, churn_ops, lo, hi)?;
+    r.fig("churn_ops", churn_ops as f64);
+    r.fig("churn_full_events", a.full_events as f64);
+    r.fig("churn_frag_failures", a.frag_failures as f64);
+    r.fig("churn_end_occupancy", a.end_occupancy);
+    r.fig("tlsf_churn_full_events", b.full_events as f64);
+    r.fig("tlsf_churn_frag_failures", b.frag_failures as f64);
+    r.fig("tlsf_churn_end_occupancy", b.end_occupancy);
+    let say = |c: &Churn| {
+        format!(
+            "{:.1}% full at end, {} of {} 'full' had the bytes",
+            c.end_occupancy * 100.0,
+            c.frag_failures,
+            c.full_events
+        )
+    };
+    r.row(
+        format!("churn {churn_ops} ops, 1 KiB..256 MiB, near full"),
+        say(&a),
+        format!("rlsf (TLSF), same trace: {}", say(&b)),
+        format!("{:.2}x", a.end_occupancy / b.end_occupancy),
+        "occupancy >= TLSF",
+    );
+    for (videos, label, key_first, key_later) in [
+        (
+            false,
+            "vLLM mix: images 1-4 MiB",
+            [
+                "images_first_full_occupancy",
+                "tlsf_images_first_full_occupancy",
+            ],
+            [
+                "images_refill_full_occupancy",
+                "tlsf_images_refill_full_occupancy",
+            ],
+        ),
+        (
+            true,
+            "vLLM mix: images + 10% videos 10-30 MiB",
+            [
+                "videos_first_full_occupancy",
+                "tlsf_videos_first_full_occupancy",
+            ],
+            [
+                "videos_refill_full_occupancy",
+                "tlsf_videos_refill_full_occupancy",
+            ],
+        ),
+    ] {
+        let (first, later) = fill_until_full(&mut ours, capacity, videos, 3)?;
+        let (t_first, t_later) = fill_until_full(&mut reference, capacity, videos, 3)?;
+        r.fig(key_first[0], first);
+        r.fig(key_first[1], t_first);
+        r.fig(key_later[0], later);
+        r.fig(key_later[1], t_later);
+        r.row(
+            format!("{label}: full at (first; refills after deleting 1/4)"),
+            format!("{:.1}%; {:.1}%", first * 100.0, later * 100.0),
+            format!(
+                "rlsf (TLSF) {:.1}%; {:.1}%",
+                t_first * 100.0,
+                t_later * 100.0
+            ),
+            format!("{:.2}x", first / t_first),
+            ">= 90%, >= TLSF",
+        );
+    }
+    Ok(())
+}
