@@ -27,6 +27,8 @@ use std::time::{Duration, Instant};
 pub struct Options {
     pub quick: bool,
     pub json: bool,
+    /// Run the scaling rows (`crate::scale`) instead of the per-operation ones.
+    pub scale: bool,
 }
 
 struct Plan {
@@ -104,7 +106,40 @@ fn delete_all(store: &Store, ids: &[ObjectId]) {
     }
 }
 
+/// Prints the report as a table, or as JSON.
+fn print(opts: &Options, r: &Report, started: Instant) {
+    let machine = machine();
+    if opts.json {
+        println!("{}", r.json(&machine));
+    } else {
+        let header = format!(
+            "shmstore bench{}{} on {} ({} s)",
+            if opts.scale { " --scale" } else { "" },
+            if opts.quick { " --quick" } else { "" },
+            machine
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            started.elapsed().as_secs()
+        );
+        print!("{}", r.table(&header));
+    }
+}
+
 pub fn run(opts: &Options) -> Result<(), String> {
+    if opts.scale {
+        let started = Instant::now();
+        let mut r = Report::default();
+        let progress = |what: &str| {
+            if !opts.json {
+                eprintln!("[{:>5.1}s] {what}", started.elapsed().as_secs_f64());
+            }
+        };
+        crate::scale::run(opts.quick, &mut r, &progress)?;
+        print(opts, &r, started);
+        return Ok(());
+    }
     let plan = Plan::new(opts.quick);
     let pid = std::process::id();
     let name = format!("shmstore-bench-{pid}");
@@ -498,22 +533,7 @@ pub fn run(opts: &Options) -> Result<(), String> {
         return Err(format!("benchmark left objects behind: {st:?}"));
     }
     store.check_invariants().map_err(err)?;
-    let machine = machine();
-    if opts.json {
-        println!("{}", r.json(&machine));
-    } else {
-        let header = format!(
-            "shmstore bench{} on {} ({} s)",
-            if opts.quick { " --quick" } else { "" },
-            machine
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            started.elapsed().as_secs()
-        );
-        print!("{}", r.table(&header));
-    }
+    print(opts, &r, started);
     Ok(())
 }
 

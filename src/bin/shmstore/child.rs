@@ -57,6 +57,24 @@ fn run(args: &[String]) -> Result<(), String> {
     let role = args.first().ok_or("no role")?.as_str();
     let open = || Store::open_path(Path::new(&args[1])).map_err(|e| e.to_string());
     match role {
+        // A process that attaches for the first time: open (timed), then read one object
+        // twice, every byte; reports "open_ms first_read_ms second_read_ms".
+        "fresh-attach" => {
+            let t = Instant::now();
+            let store = open()?;
+            let open_ms = t.elapsed().as_secs_f64() * 1e3;
+            let id: ObjectId = args[2].parse().map_err(|e| format!("{e:?}"))?;
+            let mut reads = [0.0f64; 2];
+            for r in &mut reads {
+                let t = Instant::now();
+                let v = store.get(&id, LONG).map_err(|e| e.to_string())?;
+                std::hint::black_box(touch_all(&v));
+                drop(v);
+                *r = t.elapsed().as_secs_f64() * 1e3;
+            }
+            say(format!("{open_ms} {} {}", reads[0], reads[1]));
+            line();
+        }
         // get (hit) + drop of pre-sealed objects; reports p50 and p99 in ns.
         "get-hit" => {
             let store = open()?;

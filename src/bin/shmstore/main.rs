@@ -7,6 +7,7 @@ mod child;
 mod frag;
 mod ipc;
 mod report;
+mod scale;
 mod tools;
 
 use std::process::ExitCode;
@@ -15,9 +16,12 @@ const USAGE: &str = "\
 usage: shmstore <command>
 
 commands:
-  bench [--quick] [--json]   benchmark on a temporary store in /dev/shm (1 engine + 2 workers)
+  bench [--quick] [--json] [--scale]
+                             benchmark on a temporary store in /dev/shm (1 engine + 2 workers)
                              --quick  fewer samples, finishes in under 30 s
                              --json   print the figures as one JSON object
+                             --scale  the scaling rows instead: operations at 1k-1M objects,
+                                      create/open at 1, 4, 16 GiB, page tables per process
   stat NAME [--json]         capacity, use, objects, pins, clients alive and dead
   ls NAME [--json] [--limit N]
                              every object with its size, state and pins, streamed in
@@ -39,6 +43,7 @@ fn main() -> ExitCode {
                 match a.as_str() {
                     "--quick" => opts.quick = true,
                     "--json" => opts.json = true,
+                    "--scale" => opts.scale = true,
                     other => {
                         eprintln!("shmstore bench: unknown option {other}\n\n{USAGE}");
                         return ExitCode::from(2);

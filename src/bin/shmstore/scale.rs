@@ -1,0 +1,418 @@
+//! `shmstore bench --scale`: how the store behaves as it grows, each figure beside its
+//! floor measured in the same run.
+//!
+//! 1. create + seal, get (hit) and delete at 1k, 100k and 1M objects, beside the same
+//!    operation at 1k objects and a random cache-line read in an array the size of the
+//!    table (what one lookup in a table that size cannot beat);
+//! 2. create and open at 1, 4 and 16 GiB (each skipped, with a message, when /dev/shm
+//!    cannot hold it), beside `posix_fallocate` of a file of the same size in /dev/shm;
+//!    the first 64 MiB put into the new store beside a warm one, and the first 64 MiB read
+//!    by a freshly attached process beside its second read;
+//! 3. page-table memory per attached process with the whole store mapped, with 4 KiB
+//!    pages and (where the kernel has them free) 2 MiB huge pages, beside 8 bytes per page.
+
+use crate::child::ids;
+use crate::ipc::{percentile, Worker};
+use crate::report::{ns, ratio, Report};
+use shmstore::{HugePages, ObjectId, Store, StoreConfig};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+/// Free bytes of the file system holding `dir`.
+fn free_bytes(dir: &Path) -> u64 {
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return 0;
+    };
+    // SAFETY: statvfs is plain old data; all-zero is a valid value to overwrite.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` a valid out-pointer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return 0;
+    }
+    st.f_bavail as u64 * st.f_frsize as u64
+}
+
+/// This process's page-table memory (`VmPTE` in /proc/self/status), bytes.
+pub fn vm_pte() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmPTE:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib << 10)
+}
+
+/// Removes files however the run ends.
+struct Cleanup(Vec<PathBuf>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+pub fn run(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
+    objects(quick, r, progress)?;
+    sizes(quick, r, progress)?;
+    page_tables(r, progress)
+}
+
+// ---- 1. operations as the object count grows ------------------------------------------
+
+/// Nanoseconds per random 64-byte read in an array of `lines` cache lines, each read
+/// depending on the previous one (latency, not bandwidth).
+fn random_line_read_ns(lines: usize) -> f64 {
+    // A random cycle through all lines (Sattolo), so that the hardware cannot prefetch.
+    let mut next: Vec<u64> = (0..lines as u64).collect();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for i in (1..lines).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        next.swap(i, (x % i as u64) as usize);
+    }
+    let mut table = vec![[0u64; 8]; lines];
+    for (i, n) in next.iter().enumerate() {
+        table[i][0] = *n;
+    }
+    let reads = 2_000_000usize;
+    let mut at = 0usize;
+    let t = Instant::now();
+    for _ in 0..reads {
+        at = table[at][0] as usize;
+    }
+    std::hint::black_box(at);
+    t.elapsed().as_nanos() as f64 / reads as f64
+}
+
+fn objects(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
+    let counts: [(usize, &str, [&'static str; 4]); 3] = [
+        (
+            1_000,
+            "1k",
+            [
+                "scale_create_1k_ns",
+                "scale_get_1k_ns",
+                "scale_delete_1k_ns",
+                "line_read_1k_ns",
+            ],
+        ),
+        (
+            100_000,
+            "100k",
+            [
+                "scale_create_100k_ns",
+                "scale_get_100k_ns",
+                "scale_delete_100k_ns",
+                "line_read_100k_ns",
+            ],
+        ),
+        (
+            1_000_000,
+            "1M",
+            [
+                "scale_create_1m_ns",
+                "scale_get_1m_ns",
+                "scale_delete_1m_ns",
+                "line_read_1m_ns",
+            ],
+        ),
+    ];
+    let gets = if quick { 200_000 } else { 1_000_000 };
+    let mut at_1k = [0.0f64; 3];
+    for (n, label, keys) in counts {
+        progress(&format!("scale: {label} objects"));
+        let cfg = StoreConfig {
+            max_objects: n as u64,
+            populate_in_background: false,
+            ..StoreConfig::with_capacity(256 * MIB)
+        };
+        let store = Store::create_anonymous(&cfg).map_err(err)?;
+        let slots = store.stats().table_slots as usize;
+        let ids = ids(&format!("scale{label}"), n);
+        let data = [7u8; 64];
+        let mut t_create = Vec::with_capacity(n);
+        for id in &ids {
+            let t = Instant::now();
+            store.put(id, &data).map_err(err)?;
+            t_create.push(t.elapsed().as_nanos() as u64);
+        }
+        // Random ids, laid out in the order they are read (so that reading the id itself
+        // is not a cache miss of the benchmark's own).
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let order: Vec<ObjectId> = (0..gets)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                ids[(x % n as u64) as usize]
+            })
+            .collect();
+        let mut t_get = Vec::with_capacity(gets);
+        for id in &order {
+            let t = Instant::now();
+            let v = store.try_get(id).map_err(err)?;
+            drop(v);
+            t_get.push(t.elapsed().as_nanos() as u64);
+        }
+        let mut t_delete = Vec::with_capacity(n);
+        for id in &ids {
+            let t = Instant::now();
+            store.delete(id).map_err(err)?;
+            t_delete.push(t.elapsed().as_nanos() as u64);
+        }
+        let figs = [
+            r.fig(keys[0], percentile(&mut t_create, 50.0) as f64),
+            r.fig(keys[1], percentile(&mut t_get, 50.0) as f64),
+            r.fig(keys[2], percentile(&mut t_delete, 50.0) as f64),
+        ];
+        // A lookup must touch three random lines of a table this size (bucket word,
+        // slot, pin-counter row): beyond the 1k figure, that is the floor.
+        let floor = r.fig(keys[3], random_line_read_ns(slots));
+        if n == 1_000 {
+            at_1k = figs;
+        }
+        for (k, what) in ["create + seal 64 B", "get hit", "delete"]
+            .iter()
+            .enumerate()
+        {
+            let bound = at_1k[k] + 3.0 * floor;
+            r.row(
+                format!("{what} at {label} objects, p50"),
+                ns(figs[k]),
+                format!(
+                    "at 1k {} + 3 random line reads in {} MiB ({} each) = {}",
+                    ns(at_1k[k]),
+                    (slots * 64) >> 20,
+                    ns(floor),
+                    ns(bound)
+                ),
+                ratio(figs[k], bound),
+                "<= 1k + 3 line reads",
+            );
+        }
+    }
+    Ok(())
+}
+
+// ---- 2. create and open as the capacity grows ---------------------------------------------
+
+/// `posix_fallocate` of a `size`-byte file in `dir`, timed alone, then removed.
+fn fallocate_floor(dir: &Path, size: u64) -> Result<Duration, String> {
+    let path = dir.join(format!("shmstore-bench-floor-{}", std::process::id()));
+    let _cleanup = Cleanup(vec![path.clone()]);
+    let f = std::fs::File::create(&path).map_err(err)?;
+    let t = Instant::now();
+    // SAFETY: a valid descriptor of a file we own; fallocate only allocates its blocks.
+    let rc = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, size as libc::off_t) };
+    let took = t.elapsed();
+    if rc != 0 {
+        return Err(format!("posix_fallocate of {size} B: error {rc}"));
+    }
+    Ok(took)
+}
+
+fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
+    let dir = PathBuf::from("/dev/shm");
+    let pid = std::process::id();
+    let sizes: &[(u64, &str, [&'static str; 6])] = &[
+        (
+            GIB,
+            "1 GiB",
+            [
+                "create_1g_s",
+                "fallocate_1g_s",
+                "open_1g_ms",
+                "first_put_1g_ms",
+                "warm_put_1g_ms",
+                "first_read_1g_ms",
+            ],
+        ),
+        (
+            4 * GIB,
+            "4 GiB",
+            [
+                "create_4g_s",
+                "fallocate_4g_s",
+                "open_4g_ms",
+                "first_put_4g_ms",
+                "warm_put_4g_ms",
+                "first_read_4g_ms",
+            ],
+        ),
+        (
+            16 * GIB,
+            "16 GiB",
+            [
+                "create_16g_s",
+                "fallocate_16g_s",
+                "open_16g_ms",
+                "first_put_16g_ms",
+                "warm_put_16g_ms",
+                "first_read_16g_ms",
+            ],
+        ),
+    ];
+    let object = vec![0x5au8; 64 * MIB as usize];
+    for &(size, label, keys) in sizes {
+        if quick && size > 4 * GIB {
+            r.notes.push(format!(
+                "{label}: skipped in --quick (run `shmstore bench --scale`)"
+            ));
+            continue;
+        }
+        // The floor file and then the store, one at a time, plus room to spare.
+        let free = free_bytes(&dir);
+        if free < size + size / 8 + GIB {
+            r.notes.push(format!(
+                "{label}: skipped: /dev/shm has {:.1} GiB free, this row needs {:.1} GiB \
+                 (run the container with a larger --shm-size)",
+                free as f64 / GIB as f64,
+                (size + size / 8 + GIB) as f64 / GIB as f64
+            ));
+            continue;
+        }
+        progress(&format!("scale: create and open at {label}"));
+        let floor = r.fig(keys[1], fallocate_floor(&dir, size)?.as_secs_f64());
+        let name = format!("shmstore-bench-scale-{pid}");
+        let cfg = StoreConfig {
+            progress: false,
+            ..StoreConfig::with_capacity(size)
+        };
+        let t = Instant::now();
+        let store = Store::create(&name, &cfg).map_err(err)?;
+        let create = r.fig(keys[0], t.elapsed().as_secs_f64());
+        let path = store.path().expect("named").to_path_buf();
+        let _cleanup = Cleanup(vec![path.clone()]);
+        // The first put into the new store (its pages not yet touched), then a warm one
+        // into the same memory.
+        let id = ObjectId::of_key("scale-64m");
+        let t = Instant::now();
+        store.put(&id, &object).map_err(err)?;
+        let first_put = r.fig(keys[3], t.elapsed().as_secs_f64() * 1e3);
+        store.delete(&id).map_err(err)?;
+        let t = Instant::now();
+        store.put(&id, &object).map_err(err)?;
+        let warm_put = r.fig(keys[4], t.elapsed().as_secs_f64() * 1e3);
+        // A fresh process: open (as vLLM's workers do), first and second read of 64 MiB.
+        let mut w = Worker::spawn(
+            "fresh-attach",
+            &[path.display().to_string(), id.to_string()],
+        )
+        .map_err(err)?;
+        let v = w.recv_numbers()?;
+        w.finish();
+        let (open_ms, first_read, warm_read) = (v[0], v[1], v[2]);
+        r.fig(keys[2], open_ms);
+        r.fig(keys[5], first_read);
+        r.row(
+            format!("create a {label} store"),
+            format!("{create:.2} s"),
+            format!("posix_fallocate alone {floor:.2} s"),
+            ratio(create, floor),
+            "<= 1.5x fallocate",
+        );
+        r.row(
+            format!("open it from a new process ({label})"),
+            format!("{open_ms:.2} ms"),
+            "-".into(),
+            "-".into(),
+            "<= 20 ms",
+        );
+        r.row(
+            format!("first 64 MiB put after create ({label})"),
+            format!("{first_put:.1} ms"),
+            format!("warm put {warm_put:.1} ms"),
+            ratio(first_put, warm_put),
+            "<= 1.2x warm",
+        );
+        r.row(
+            format!("first 64 MiB read, fresh attach ({label})"),
+            format!("{first_read:.1} ms"),
+            format!("second read {warm_read:.1} ms"),
+            ratio(first_read, warm_read),
+            "<= 1.5x warm",
+        );
+        drop(store);
+    }
+    Ok(())
+}
+
+// ---- 3. page tables -----------------------------------------------------------------------
+
+/// Page-table bytes per GiB this process pays with the whole store mapped and populated.
+fn pte_per_gib(cfg: &StoreConfig) -> Result<f64, String> {
+    let store = Store::create_anonymous(cfg).map_err(err)?;
+    let before = vm_pte();
+    store.prefault();
+    let after = vm_pte();
+    Ok(after.saturating_sub(before) as f64 / (cfg.capacity as f64 / GIB as f64))
+}
+
+fn page_tables(r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
+    progress("scale: page tables");
+    let base = StoreConfig {
+        populate_in_background: false,
+        progress: false,
+        ..StoreConfig::with_capacity(GIB)
+    };
+    let small = r.fig("pte_per_gib_4k_bytes", pte_per_gib(&base)?);
+    r.row(
+        "page tables per process, whole store touched, 4 KiB pages",
+        format!("{:.2} MiB per GiB", small / MIB as f64),
+        "8 B per 4 KiB page: 2 MiB per GiB".into(),
+        ratio(small, 2.0 * MIB as f64),
+        "-",
+    );
+    // Huge pages, if the administrator reserved some (scripts/hugepages.sh does).
+    let (free, page) = huge_pages_free();
+    let pages = free.saturating_sub(8);
+    if page != 2 * MIB || pages < 16 {
+        r.notes.push(format!(
+            "huge pages: skipped: {free} free of {} KiB (reserve some with \
+             scripts/hugepages.sh or `sysctl -w vm.nr_hugepages=N`)",
+            page >> 10
+        ));
+        return Ok(());
+    }
+    let huge = StoreConfig {
+        huge_pages: HugePages::Hugetlb,
+        max_objects: 1024,
+        ..StoreConfig::with_capacity((pages * page).min(GIB) - 8 * MIB)
+    };
+    let big = r.fig("pte_per_gib_2m_bytes", pte_per_gib(&huge)?);
+    r.row(
+        "page tables per process, whole store touched, 2 MiB huge pages",
+        format!("{:.1} KiB per GiB", big / 1024.0),
+        "8 B per 2 MiB page: 4 KiB per GiB".into(),
+        ratio(big, 4096.0),
+        "-",
+    );
+    Ok(())
+}
+
+/// (free huge pages, their size) from /proc/meminfo.
+fn huge_pages_free() -> (u64, u64) {
+    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |name: &str| -> u64 {
+        info.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("HugePages_Free:"), field("Hugepagesize:") << 10)
+}
