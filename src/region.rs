@@ -51,6 +51,21 @@ pub enum HugePages {
     Hugetlb,
 }
 
+impl HugePages {
+    /// Huge pages of the kernel's default size free now, and that size in bytes, from
+    /// /proc/meminfo (`None` where it says nothing): how large a
+    /// [`HugePages::Hugetlb`] store can be created.
+    ///
+    /// ```
+    /// if let Some((free, size)) = shmstore::HugePages::free_pages() {
+    ///     println!("{free} huge pages of {size} bytes free");
+    /// }
+    /// ```
+    pub fn free_pages() -> Option<(u64, u64)> {
+        free_huge_pages()
+    }
+}
+
 /// `statfs` magic of hugetlbfs.
 const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
 

@@ -561,17 +561,24 @@ impl<'a> Table<'a> {
         }
     }
 
-    /// Raises our counter on slot `i` and checks that it is still readable at `gen`.
-    /// On `false` the counter is back down (and any free that it delayed is done).
-    fn try_hold(&self, i: usize, gen: u32) -> Result<bool> {
-        let k = self.counter(i, self.me);
-        if k.fetch_add(1, SC) >= PIN_LIMIT {
+    /// Raises our counter on slot `i` (the reader's half of the Dekker handshake: the
+    /// fence orders it before the caller's re-read of `ctl`). At the pin limit the
+    /// counter is lowered again and the error returned.
+    fn raise(&self, i: usize) -> Result<()> {
+        if self.counter(i, self.me).fetch_add(1, SC) >= PIN_LIMIT {
             self.drop_hold(i);
             return Err(Error::TooManyPins {
                 limit: PIN_LIMIT as u32,
             });
         }
         dekker_fence();
+        Ok(())
+    }
+
+    /// Raises our counter on slot `i` and checks that it is still readable at `gen`.
+    /// On `false` the counter is back down (and any free that it delayed is done).
+    fn try_hold(&self, i: usize, gen: u32) -> Result<bool> {
+        self.raise(i)?;
         let s = &self.slots[i];
         let mut c = Ctl(s.ctl.load(SC_LOAD));
         loop {
@@ -665,14 +672,7 @@ impl<'a> Table<'a> {
     pub(crate) fn repin(&self, r: SlotRef) -> Result<bool> {
         let i = self.index_checked(r)?;
         let s = &self.slots[i];
-        let k = self.counter(i, self.me);
-        if k.fetch_add(1, SC) >= PIN_LIMIT {
-            self.drop_hold(i);
-            return Err(Error::TooManyPins {
-                limit: PIN_LIMIT as u32,
-            });
-        }
-        dekker_fence();
+        self.raise(i)?;
         let c = Ctl(s.ctl.load(SC_LOAD));
         if c.gen() == r.gen && c.state() == DELETED {
             self.reclaimer.count(Event::Pinned);

@@ -17,27 +17,22 @@ use std::time::Duration;
 
 const HUGE: u64 = 2 << 20;
 
-/// (free huge pages, their size) from /proc/meminfo.
+/// (free huge pages, their size).
 fn free_huge_pages() -> (u64, u64) {
-    let (_, free, size) = huge_pages();
-    (free, size)
+    HugePages::free_pages().unwrap_or((0, 0))
 }
 
-/// (reserved huge pages, free ones, their size) from /proc/meminfo.
+/// (reserved huge pages, free ones, their size): the reserved count from sysfs.
 fn huge_pages() -> (u64, u64, u64) {
-    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let field = |name: &str| -> u64 {
-        info.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    (
-        field("HugePages_Total:"),
-        field("HugePages_Free:"),
-        field("Hugepagesize:") << 10,
-    )
+    let (free, size) = free_huge_pages();
+    let total = std::fs::read_to_string(format!(
+        "/sys/kernel/mm/hugepages/hugepages-{}kB/nr_hugepages",
+        size >> 10
+    ))
+    .ok()
+    .and_then(|s| s.trim().parse().ok())
+    .unwrap_or(0);
+    (total, free, size)
 }
 
 /// Whether `pages` huge pages of 2 MiB are free; if not, says why the test is skipped.

@@ -378,7 +378,7 @@ fn page_tables(r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
         "-",
     );
     // Huge pages, if the administrator reserved some (scripts/hugepages.sh does).
-    let (free, page) = huge_pages_free();
+    let (free, page) = HugePages::free_pages().unwrap_or((0, 0));
     let pages = free.saturating_sub(8);
     if page != 2 * MIB || pages < 16 {
         r.notes.push(format!(
@@ -402,17 +402,4 @@ fn page_tables(r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
         "-",
     );
     Ok(())
-}
-
-/// (free huge pages, their size) from /proc/meminfo.
-fn huge_pages_free() -> (u64, u64) {
-    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let field = |name: &str| -> u64 {
-        info.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    (field("HugePages_Free:"), field("Hugepagesize:") << 10)
 }
