@@ -111,7 +111,11 @@ def test_ctrl_c_interrupts_a_get_that_waits_forever(store_name):
     shmstore.Store.create(store_name, 1 << 20)
     p = spawn_python(
         """
-        import sys, shmstore
+        import signal, sys, shmstore
+        # What an interactive Python has. A Python started from a background job
+        # (`cmd &` in a script, as CI runners may do) inherits SIGINT ignored and then
+        # installs no handler at all.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         s = shmstore.Store.open(sys.argv[1])
         try:
             print("waiting", flush=True)
