@@ -1,4 +1,5 @@
-//! The `shmstore` command-line tools: stat, ls, rm, recover.
+//! The `shmstore` command-line tool: stat, ls, rm, recover, metrics, and its interface (help,
+//! version, exit codes, JSON).
 
 mod common;
 
@@ -112,7 +113,7 @@ fn ls_streams_every_object_and_stops_at_its_limit() {
     assert!(ok && out.trim_end().starts_with('[') && out.trim_end().ends_with(']'));
     assert_eq!(out.matches("\"id\"").count(), 2, "{out}");
     let (ok, _, err) = shmstore(&["ls", &name, "--limit", "many"]);
-    assert!(!ok && err.contains("--limit takes a number"), "{err}");
+    assert!(!ok && err.contains("invalid value 'many' for '--limit <N>'"), "{err}");
 
     // A reader that goes away (`| head`) ends the listing; it is not an error to hang on.
     let mut child = Command::new(env!("CARGO_BIN_EXE_shmstore"))
@@ -185,4 +186,173 @@ fn stat_reports_a_killed_client_as_dead() {
     );
     let (ok, out, _) = shmstore(&["recover", &name]);
     assert!(ok && out.contains("recovered 0 dead client(s)"), "{out}");
+}
+
+#[test]
+fn every_subcommand_has_help_version_and_exit_codes() {
+    for sub in ["bench", "stat", "ls", "rm", "recover", "metrics"] {
+        let (ok, out, err) = shmstore(&[sub, "--help"]);
+        assert!(ok, "{sub} --help: {err}");
+        assert!(
+            out.contains(&format!("Usage: shmstore {sub}")) && out.contains("Exit codes:"),
+            "{sub} --help: {out}"
+        );
+        let (ok, out, _) = shmstore(&[sub, "--version"]);
+        assert!(ok, "{sub} --version");
+        assert!(out.contains(env!("CARGO_PKG_VERSION")), "{out}");
+    }
+    let (ok, out, _) = shmstore(&["--help"]);
+    assert!(
+        ok && out.contains("metrics") && out.contains("Exit codes:"),
+        "{out}"
+    );
+    // Usage errors exit 2, with clap's suggestion for a mistyped flag.
+    let code = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_shmstore"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (rc, err) = code(&["stat", "some-store", "--jsn"]);
+    assert_eq!(rc, Some(2), "{err}");
+    assert!(err.contains("similar argument exists: '--json'"), "{err}");
+    assert_eq!(code(&["stat"]).0, Some(2));
+    assert_eq!(code(&["frobnicate"]).0, Some(2));
+    assert_eq!(code(&["ls", "x", "--limit", "many"]).0, Some(2));
+    // A command that runs and fails exits 1.
+    assert_eq!(code(&["stat", &unique_name("missing")]).0, Some(1));
+}
+
+#[test]
+fn json_outputs_are_valid_json_with_the_documented_keys() {
+    let name = unique_name("json");
+    let s = Store::create(&name, &StoreConfig::with_capacity(1 << 20)).unwrap();
+    let _cleanup = common::Cleanup(s.path().unwrap().to_path_buf());
+    // An id with every hex digit, and a meta field: nothing in them needs escaping, but
+    // the parser proves the framing.
+    s.put(&ObjectId::of_key("a"), &[7; 100]).unwrap();
+    let parse = |args: &[&str]| -> serde_json::Value {
+        let (ok, out, err) = shmstore(args);
+        assert!(ok, "{args:?}: {err}");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: {e}: {out}"))
+    };
+    let stat = parse(&["stat", &name, "--json"]);
+    for key in [
+        "capacity",
+        "used",
+        "free",
+        "largest_free",
+        "objects",
+        "pins",
+        "creates",
+        "gets_hit",
+        "gets_missed",
+        "gets_waited",
+        "deletes",
+        "evictions",
+        "full_events",
+        "bytes_created",
+        "clients_alive",
+        "clients_dead",
+        "clients_recovered",
+        "bytes_reclaimed",
+    ] {
+        assert!(stat[key].is_u64(), "{key} in {stat}");
+    }
+    assert_eq!(stat["objects"], 1);
+    assert_eq!(stat["bytes_created"], 100);
+    let ls = parse(&["ls", &name, "--json"]);
+    assert_eq!(ls[0]["id"], ObjectId::of_key("a").to_string());
+    assert_eq!(
+        (ls[0]["len"].as_u64(), ls[0]["state"].as_str()),
+        (Some(100), Some("sealed"))
+    );
+    let rec = parse(&["recover", &name, "--json"]);
+    assert_eq!(rec["clients_recovered"], 0);
+    assert_eq!(rec["sweep_pending"], false);
+}
+
+/// One sample's value from an exposition, by its full name and labels as written.
+fn sample(text: &str, series: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("{series} in\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn metrics_print_and_serve_the_store_figures() {
+    let name = unique_name("metrics");
+    let s = Store::create(&name, &StoreConfig::with_capacity(1 << 20)).unwrap();
+    let _cleanup = common::Cleanup(s.path().unwrap().to_path_buf());
+    let a = ObjectId::of_key("a");
+    s.put(&a, &[1; 3000]).unwrap();
+    let _pin = s.try_get(&a).unwrap();
+    assert!(s.try_get(&ObjectId::of_key("missing")).is_err());
+
+    let (ok, text, err) = shmstore(&["metrics", &name]);
+    assert!(ok, "{err}");
+    let l = format!("{{store=\"{name}\"}}");
+    assert_eq!(
+        sample(&text, &format!("shmstore_capacity_bytes{l}")),
+        1 << 20
+    );
+    assert_eq!(sample(&text, &format!("shmstore_objects{l}")), 1);
+    assert_eq!(sample(&text, &format!("shmstore_pins{l}")), 1);
+    assert_eq!(sample(&text, &format!("shmstore_creates_total{l}")), 1);
+    assert_eq!(
+        sample(&text, &format!("shmstore_written_bytes_total{l}")),
+        3000
+    );
+    let gets = |r: &str| format!("shmstore_gets_total{{store=\"{name}\",result=\"{r}\"}}");
+    assert_eq!(sample(&text, &gets("hit")), 1);
+    assert_eq!(sample(&text, &gets("miss")), 1);
+    let alive = format!("shmstore_clients{{store=\"{name}\",state=\"alive\"}}");
+    assert_eq!(sample(&text, &alive), 1);
+    assert!(text.ends_with("# EOF\n"), "{text}");
+
+    // Served: port 0 picks a free port, which the first stderr line names.
+    let mut server = Command::new(env!("CARGO_BIN_EXE_shmstore"))
+        .args(["metrics", &name, "--listen", "127.0.0.1:0"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(server.stderr.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let url = line.trim().rsplit(' ').next().unwrap().to_string();
+    let addr = url
+        .strip_prefix("http://")
+        .and_then(|u| u.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("{line}"))
+        .to_string();
+    let fetch = |path: &str| {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            c,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut r = String::new();
+        c.read_to_string(&mut r).unwrap();
+        r
+    };
+    s.put(&ObjectId::of_key("b"), &[2; 10]).unwrap();
+    let r = fetch("/metrics");
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    assert!(r.contains("application/openmetrics-text"), "{r}");
+    // Each scrape reads the store afresh.
+    assert_eq!(sample(&r, &format!("shmstore_objects{l}")), 2);
+    assert!(fetch("/other").starts_with("HTTP/1.1 404"));
+    server.kill().unwrap();
+    server.wait().unwrap();
 }

@@ -1,111 +1,134 @@
 //! `shmstore`: the command-line tool. `shmstore bench` is the main job: a benchmark of
 //! the store across real processes, each figure printed beside its floor or peer measured
-//! in the same run.
+//! in the same run. The other subcommands inspect, repair, remove and export a store.
+//!
+//! Arguments are parsed by clap (derive); JSON goes through serde_json; the Prometheus
+//! exposition through prometheus-client, served over tiny_http (`metrics.rs`).
 
 mod bench;
 mod child;
 mod frag;
 mod ipc;
+mod metrics;
 mod report;
 mod scale;
 mod tools;
 
+use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
-const USAGE: &str = "\
-usage: shmstore <command>
+/// Exit codes, documented in every `--help`.
+const EXIT_CODES: &str = "\
+Exit codes:
+  0  success
+  1  the command failed (the message says what and how to fix it)
+  2  usage error (unknown flag, missing NAME)
 
-commands:
-  bench [--quick] [--json] [--scale]
-                             benchmark on a temporary store in /dev/shm (1 engine + 2 workers)
-                             --quick  fewer samples, finishes in under 30 s
-                             --json   print the figures as one JSON object
-                             --scale  the scaling rows instead: operations at 1k-1M objects,
-                                      create/open at 1, 4, 16 GiB, page tables per process
-  stat NAME [--json]         capacity, use, objects, pins, clients alive and dead
-  ls NAME [--json] [--limit N]
-                             every object with its size, state and pins, streamed in
-                             table order as it is read (--limit: the first N only)
-  rm NAME                    remove a store's name (checks that it is a store first)
-  recover NAME [--json]      reclaim what dead processes left: pins, unsealed objects,
-                             half-done allocations (live processes also do this by themselves)
-  help                       this text
+NAME is a store in /dev/shm, or a path if it contains '/'.";
 
-NAME is a store in /dev/shm, or a path if it contains '/'.
-";
+/// A lock-free shared-memory object store: inspect, benchmark and export stores.
+#[derive(Parser)]
+#[command(name = "shmstore", version, propagate_version = true, about, after_help = EXIT_CODES)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Benchmark on a temporary store in /dev/shm (1 engine + 2 worker processes), each
+    /// figure beside its floor or peer measured in the same run.
+    #[command(after_help = EXIT_CODES)]
+    Bench {
+        /// Fewer samples: finishes in under 30 s.
+        #[arg(long)]
+        quick: bool,
+        /// Print the figures as one JSON object (keys in docs/benchmarks.md).
+        #[arg(long)]
+        json: bool,
+        /// The scaling rows instead: operations at 1k-1M objects, create/open at 1, 4 and
+        /// 16 GiB, page tables per process.
+        #[arg(long)]
+        scale: bool,
+    },
+    /// Capacity, use, objects, pins, operation counts, clients alive and dead.
+    #[command(after_help = EXIT_CODES)]
+    Stat {
+        /// The store.
+        name: String,
+        /// One JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Every object with its size, state and pins, streamed in table order as it is read.
+    #[command(after_help = EXIT_CODES)]
+    Ls {
+        /// The store.
+        name: String,
+        /// One JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// List the first N objects only.
+        #[arg(long, value_name = "N")]
+        limit: Option<u64>,
+    },
+    /// Remove a store's name (checks that it is a store first; attached processes keep
+    /// their mapping until they detach).
+    #[command(after_help = EXIT_CODES)]
+    Rm {
+        /// The store.
+        name: String,
+    },
+    /// Reclaim what dead processes left: pins, unsealed objects, half-done allocations
+    /// (live processes also do this by themselves).
+    #[command(after_help = EXIT_CODES)]
+    Recover {
+        /// The store.
+        name: String,
+        /// One JSON object instead of a sentence.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The store's figures in the Prometheus text exposition format: printed once, or
+    /// served at http://ADDR/metrics with --listen.
+    #[command(after_help = EXIT_CODES)]
+    Metrics {
+        /// The store.
+        name: String,
+        /// Serve at this address (e.g. 127.0.0.1:9464) until killed, instead of printing.
+        #[arg(long, value_name = "ADDR")]
+        listen: Option<String>,
+    },
+}
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("bench") => {
-            let mut opts = bench::Options::default();
-            for a in &args[1..] {
-                match a.as_str() {
-                    "--quick" => opts.quick = true,
-                    "--json" => opts.json = true,
-                    "--scale" => opts.scale = true,
-                    other => {
-                        eprintln!("shmstore bench: unknown option {other}\n\n{USAGE}");
-                        return ExitCode::from(2);
-                    }
-                }
-            }
-            match bench::run(&opts) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("shmstore bench: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Some(cmd @ ("stat" | "ls" | "rm" | "recover")) => {
-            let mut json = false;
-            let mut limit = None;
-            let mut names = Vec::new();
-            let mut rest = args[1..].iter();
-            while let Some(a) = rest.next() {
-                match a.as_str() {
-                    "--json" => json = true,
-                    "--limit" if cmd == "ls" => match rest.next().map(|n| n.parse::<u64>()) {
-                        Some(Ok(n)) => limit = Some(n),
-                        _ => {
-                            eprintln!("shmstore ls: --limit takes a number\n\n{USAGE}");
-                            return ExitCode::from(2);
-                        }
-                    },
-                    other if other.starts_with("--") => {
-                        eprintln!("shmstore {cmd}: unknown option {other}\n\n{USAGE}");
-                        return ExitCode::from(2);
-                    }
-                    _ => names.push(a),
-                }
-            }
-            let [name] = names[..] else {
-                eprintln!("shmstore {cmd}: give exactly one store NAME\n\n{USAGE}");
-                return ExitCode::from(2);
-            };
-            let r = match cmd {
-                "stat" => tools::stat(name, json),
-                "ls" => tools::ls(name, json, limit),
-                "recover" => tools::recover(name, json),
-                _ => tools::rm(name),
-            };
-            match r {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("shmstore {cmd}: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Some(child::ENTRY) => child::main(&args[1..]),
-        Some("help" | "--help" | "-h") | None => {
-            print!("{USAGE}");
-            ExitCode::SUCCESS
-        }
-        Some(other) => {
-            eprintln!("shmstore: unknown command {other}\n\n{USAGE}");
-            ExitCode::from(2)
+    let mut args = std::env::args_os();
+    // The benchmark's child processes: a hidden entry point, not part of the interface.
+    if args.nth(1).is_some_and(|a| a == child::ENTRY) {
+        let rest: Vec<String> = std::env::args().skip(2).collect();
+        return child::main(&rest);
+    }
+    let cli = Cli::parse();
+    let (what, result) = match &cli.command {
+        Command::Bench { quick, json, scale } => (
+            "bench",
+            bench::run(&bench::Options {
+                quick: *quick,
+                json: *json,
+                scale: *scale,
+            }),
+        ),
+        Command::Stat { name, json } => ("stat", tools::stat(name, *json)),
+        Command::Ls { name, json, limit } => ("ls", tools::ls(name, *json, *limit)),
+        Command::Rm { name } => ("rm", tools::rm(name)),
+        Command::Recover { name, json } => ("recover", tools::recover(name, *json)),
+        Command::Metrics { name, listen } => ("metrics", metrics::run(name, listen.as_deref())),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("shmstore {what}: {e}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -106,26 +106,25 @@ impl Report {
         out
     }
 
+    /// One JSON object: the machine description (strings), then every figure under its
+    /// key, in the order measured (non-finite figures are `null`).
     pub fn json(&self, machine: &[(&str, String)]) -> String {
-        let mut out = String::from("{");
-        for (k, v) in machine {
-            let _ = write!(
-                out,
-                "\"{k}\":\"{}\",",
-                v.replace('\\', "\\\\").replace('"', "\\\"")
-            );
+        struct Out<'a>(&'a [(&'a str, String)], &'a [Figure]);
+        impl serde::Serialize for Out<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                use serde::ser::SerializeMap;
+                let mut map = s.serialize_map(Some(self.0.len() + self.1.len()))?;
+                for (k, v) in self.0 {
+                    map.serialize_entry(k, v)?;
+                }
+                for f in self.1 {
+                    let v = f.value.is_finite().then(|| round(f.value));
+                    map.serialize_entry(f.key, &v)?;
+                }
+                map.end()
+            }
         }
-        for (i, f) in self.figures.iter().enumerate() {
-            let sep = if i + 1 == self.figures.len() { "" } else { "," };
-            let v = if f.value.is_finite() {
-                format!("{}", round(f.value))
-            } else {
-                "null".into()
-            };
-            let _ = write!(out, "\"{}\":{v}{sep}", f.key);
-        }
-        out.push('}');
-        out
+        serde_json::to_string(&Out(machine, &self.figures)).expect("strings and numbers encode")
     }
 }
 

@@ -1,6 +1,7 @@
 //! `shmstore stat | ls | rm | recover NAME`: inspect, repair and remove stores. All but
 //! `recover` attach read-only (the kernel forbids them to write payloads); none prefaults.
 
+use serde::Serialize;
 use shmstore::{AttachOptions, ObjectState, Store};
 use std::io::Write;
 use std::path::PathBuf;
@@ -15,7 +16,7 @@ fn resolve(name: &str) -> PathBuf {
     }
 }
 
-fn attach(name: &str) -> Result<Store, String> {
+pub fn attach(name: &str) -> Result<Store, String> {
     attach_with(name, true)
 }
 
@@ -54,14 +55,34 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
     // This tool is attached too; do not count it.
     let others = st.clients.saturating_sub(1);
     if json {
-        println!(
-            "{{\"capacity\":{},\"used\":{},\"free\":{},\"largest_free\":{},\"objects\":{},\"creating\":{},\"draining\":{},\"pinned\":{},\"pins\":{},\"clients_alive\":{},\"clients_dead\":{},\"clients_recovered\":{},\"bytes_reclaimed\":{},\"sweep_pending\":{},\"evictions\":{},\"table_slots\":{},\"page_size\":{},\"max_clients\":{},\"creates\":{},\"bytes_created\":{},\"deletes\":{},\"gets_hit\":{},\"gets_waited\":{},\"gets_missed\":{},\"full_events\":{}}}",
-            st.capacity, st.used, st.free, s.largest_free(), st.objects, st.creating, st.draining,
-            pinned, st.pins, others, st.dead_clients, st.recovered_clients, st.reclaimed_bytes,
-            st.sweep_pending, st.evictions, st.table_slots, st.page_size, st.max_clients,
-            st.creates, st.bytes_created, st.deletes, st.gets_hit, st.gets_waited,
-            st.gets_missed, st.full_events
-        );
+        let out = StatJson {
+            capacity: st.capacity,
+            used: st.used,
+            free: st.free,
+            largest_free: s.largest_free(),
+            objects: st.objects,
+            creating: st.creating,
+            draining: st.draining,
+            pinned,
+            pins: st.pins,
+            clients_alive: others,
+            clients_dead: st.dead_clients,
+            clients_recovered: st.recovered_clients,
+            bytes_reclaimed: st.reclaimed_bytes,
+            sweep_pending: st.sweep_pending,
+            evictions: st.evictions,
+            table_slots: st.table_slots,
+            page_size: st.page_size,
+            max_clients: st.max_clients,
+            creates: st.creates,
+            bytes_created: st.bytes_created,
+            deletes: st.deletes,
+            gets_hit: st.gets_hit,
+            gets_waited: st.gets_waited,
+            gets_missed: st.gets_missed,
+            full_events: st.full_events,
+        };
+        println!("{}", to_json(&out)?);
         return Ok(());
     }
     let rows = [
@@ -160,16 +181,17 @@ fn list_to(
     if json {
         write!(out, "[")?;
         for o in objects {
-            let sep = if shown == 0 { "" } else { "," };
-            write!(
-                out,
-                "{sep}{{\"id\":\"{}\",\"len\":{},\"meta_len\":{},\"state\":\"{}\",\"pins\":{}}}",
-                o.id,
-                o.len,
-                o.meta_len,
-                state(o.state),
-                o.pins
-            )?;
+            if shown > 0 {
+                write!(out, ",")?;
+            }
+            let entry = ObjectJson {
+                id: o.id.to_string(),
+                len: o.len,
+                meta_len: o.meta_len,
+                state: state(o.state),
+                pins: o.pins,
+            };
+            serde_json::to_writer(&mut out, &entry)?;
             shown += 1;
         }
         writeln!(out, "]")?;
@@ -224,11 +246,16 @@ pub fn recover(name: &str, json: bool) -> Result<(), String> {
     let s = attach_with(name, false)?;
     let r = s.recover().map_err(|e| e.to_string())?;
     if json {
-        println!(
-            "{{\"clients_recovered\":{},\"pins_released\":{},\"creations_aborted\":{},\"slots_returned\":{},\"leaked_blocks_freed\":{},\"bytes_reclaimed\":{},\"sweep_pending\":{}}}",
-            r.clients_recovered, r.pins_released, r.creations_aborted, r.slots_returned,
-            r.leaked_blocks_freed, r.bytes_reclaimed, r.sweep_pending
-        );
+        let out = RecoverJson {
+            clients_recovered: r.clients_recovered,
+            pins_released: r.pins_released,
+            creations_aborted: r.creations_aborted,
+            slots_returned: r.slots_returned,
+            leaked_blocks_freed: r.leaked_blocks_freed,
+            bytes_reclaimed: r.bytes_reclaimed,
+            sweep_pending: r.sweep_pending,
+        };
+        println!("{}", to_json(&out)?);
         return Ok(());
     }
     println!(
@@ -248,4 +275,60 @@ pub fn recover(name: &str, json: bool) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+fn to_json(v: &impl Serialize) -> Result<String, String> {
+    serde_json::to_string(v).map_err(|e| format!("encoding JSON: {e}"))
+}
+
+/// `stat --json`: one object, keys as documented in README.md.
+#[derive(Serialize)]
+struct StatJson {
+    capacity: u64,
+    used: u64,
+    free: u64,
+    largest_free: u64,
+    objects: u64,
+    creating: u64,
+    draining: u64,
+    pinned: u64,
+    pins: u64,
+    clients_alive: u64,
+    clients_dead: u64,
+    clients_recovered: u64,
+    bytes_reclaimed: u64,
+    sweep_pending: bool,
+    evictions: u64,
+    table_slots: u64,
+    page_size: u64,
+    max_clients: u64,
+    creates: u64,
+    bytes_created: u64,
+    deletes: u64,
+    gets_hit: u64,
+    gets_waited: u64,
+    gets_missed: u64,
+    full_events: u64,
+}
+
+/// One object of `ls --json`.
+#[derive(Serialize)]
+struct ObjectJson {
+    id: String,
+    len: u64,
+    meta_len: u16,
+    state: &'static str,
+    pins: u64,
+}
+
+/// `recover --json`.
+#[derive(Serialize)]
+struct RecoverJson {
+    clients_recovered: u64,
+    pins_released: u64,
+    creations_aborted: u64,
+    slots_returned: u64,
+    leaked_blocks_freed: u64,
+    bytes_reclaimed: u64,
+    sweep_pending: bool,
 }
