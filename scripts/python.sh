@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Python package: builds shmstore's bindings and installs them into python/.venv
-# (created if missing, with maturin, numpy and pytest from PyPI).
+# (created if missing, with maturin, numpy, pytest and prometheus_client from PyPI).
 #
 #   scripts/python.sh           build + install (release build)
 #   scripts/python.sh test      ... then run the pytest suite (python/tests)
@@ -16,7 +16,8 @@ py=${PYTHON:-python3}
 if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
-"$venv/bin/pip" install -q --disable-pip-version-check "maturin>=1.7,<2" "numpy>=1.24" "pytest>=7"
+"$venv/bin/pip" install -q --disable-pip-version-check "maturin>=1.7,<2" "numpy>=1.24" "pytest>=7" \
+  "prometheus_client>=0.17"
 (cd python && VIRTUAL_ENV=$venv "$venv/bin/maturin" develop --release -q)
 case "${1:-}" in
   "") echo "installed: $venv/bin/python -c 'import shmstore'" ;;

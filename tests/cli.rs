@@ -113,7 +113,10 @@ fn ls_streams_every_object_and_stops_at_its_limit() {
     assert!(ok && out.trim_end().starts_with('[') && out.trim_end().ends_with(']'));
     assert_eq!(out.matches("\"id\"").count(), 2, "{out}");
     let (ok, _, err) = shmstore(&["ls", &name, "--limit", "many"]);
-    assert!(!ok && err.contains("invalid value 'many' for '--limit <N>'"), "{err}");
+    assert!(
+        !ok && err.contains("invalid value 'many' for '--limit <N>'"),
+        "{err}"
+    );
 
     // A reader that goes away (`| head`) ends the listing; it is not an error to hang on.
     let mut child = Command::new(env!("CARGO_BIN_EXE_shmstore"))

@@ -349,6 +349,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         super().__init__()
         mm_config = vllm_config.model_config.get_multimodal_config()
         self.store = open_store(vllm_config)  # populated in the background (Rust thread)
+        _export_metrics(self.store)
         self.max_object_size = int(mm_config.mm_shm_cache_max_object_size_mb * _MiB)
         self._updates: collections.OrderedDict[str, Sequence[Any]] = collections.OrderedDict()
         self._touched: dict[str, memoryview] = {}
@@ -643,6 +644,31 @@ def applies(vllm_config) -> bool:
 
 
 _logged: set[str] = set()
+_metrics: Any = None  # the collector registered by _export_metrics
+
+
+def _export_metrics(store: _native.Store) -> None:
+    """Adds the store's figures to prometheus_client's default registry, which vLLM serves
+    at ``/metrics`` (names in docs/metrics.md). One collector per process: a new sender
+    cache replaces the previous one's. The collector holds the store weakly."""
+    global _metrics
+    try:
+        from prometheus_client import REGISTRY
+
+        from . import prometheus
+    except ImportError:
+        _log_once("metrics", "shmstore: prometheus_client is not installed; no metrics")
+        return
+    if _metrics is not None:
+        try:
+            REGISTRY.unregister(_metrics)
+        except KeyError:
+            pass
+    try:
+        _metrics = prometheus.register(store)
+    except ValueError as e:  # the names are taken by a collector of someone else's
+        _metrics = None
+        _log_once("metrics", f"shmstore: metrics not exported: {e}")
 
 
 def _log_once(key: str, msg: str) -> None:

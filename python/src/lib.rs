@@ -557,7 +557,7 @@ impl PyCreation {
 }
 
 /// A handle to an attached store.
-#[pyclass(module = "shmstore._native", name = "Store", frozen)]
+#[pyclass(module = "shmstore._native", name = "Store", frozen, weakref)]
 struct PyStore {
     s: Store,
 }

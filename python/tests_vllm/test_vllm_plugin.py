@@ -134,3 +134,18 @@ def test_cuda_registration_is_skipped_cleanly_without_a_gpu(store_env, monkeypat
         assert r.cuda_registered is False
         del r
     assert any("no GPU is visible" in rec.message for rec in caplog.records)
+
+
+def test_the_store_figures_appear_in_the_registry_vllm_serves(store_env):
+    from prometheus_client import REGISTRY, generate_latest
+
+    sender = sv.ShmstoreSenderCache(make_config())
+    text = generate_latest(REGISTRY).decode()
+    name = store_env["SHMSTORE_VLLM_STORE"]
+    assert f'shmstore_capacity_bytes{{store="{name}"}}' in text, text[:2000]
+    # A second cache in the same process replaces the first one's collector: no
+    # duplicate-series error, one series per name.
+    sender2 = sv.ShmstoreSenderCache(make_config())
+    text = generate_latest(REGISTRY).decode()
+    assert text.count(f'shmstore_objects{{store="{name}"}}') == 1
+    del sender, sender2

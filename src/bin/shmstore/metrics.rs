@@ -23,12 +23,17 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 
 pub fn run(name: &str, listen: Option<&str>) -> Result<(), String> {
     let store = crate::tools::attach(name)?;
+    // Series are labelled with the store's file name, as the Python collector does.
+    let path = crate::tools::resolve(name);
+    let label = path
+        .file_name()
+        .map_or_else(|| name.to_string(), |f| f.to_string_lossy().into_owned());
     match listen {
         None => {
-            print!("{}", exposition(&store, name)?);
+            print!("{}", exposition(&store, &label)?);
             Ok(())
         }
-        Some(addr) => serve(&store, name, addr),
+        Some(addr) => serve(&store, &label, addr),
     }
 }
 

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 /// A store name, or a path if it contains a '/'.
-fn resolve(name: &str) -> PathBuf {
+pub fn resolve(name: &str) -> PathBuf {
     if name.contains('/') {
         PathBuf::from(name)
     } else {
