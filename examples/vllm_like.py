@@ -112,10 +112,10 @@ def main() -> None:
     print(f"engine -> 2 workers, each reading every byte; median of {REPS} items\n")
     print("| item | size | pickle over socket | shmstore (first time) | shmstore (cache hit) | speedup (first / hit) |")
     print("|---|---:|---:|---:|---:|---:|")
-    for kind, (mib, p, m, h) in results.items():
+    for kind, (mib, pickled, miss_s, hit_s) in results.items():
         print(
-            f"| {kind} | {mib:.1f} MiB | {p * 1e3:.1f} ms | {m * 1e3:.1f} ms | {h * 1e3:.1f} ms "
-            f"| {p / m:.1f}x / {p / h:.1f}x |"
+            f"| {kind} | {mib:.1f} MiB | {pickled * 1e3:.1f} ms | {miss_s * 1e3:.1f} ms "
+            f"| {hit_s * 1e3:.1f} ms | {pickled / miss_s:.1f}x / {pickled / hit_s:.1f}x |"
         )
     st = store.stats()
     print(f"\nstore: {st['objects']} items, {st['used'] / (1 << 20):.0f} MiB used, {st['evictions']} evictions")

@@ -6,6 +6,11 @@
 #   scripts/python.sh test      ... then run the pytest suite (python/tests)
 #   scripts/python.sh bench     ... then the Python-overhead benchmark
 #   scripts/python.sh example   ... then examples/vllm_like.py (engine + 2 workers)
+#   scripts/python.sh typecheck ... then mypy (package, tests, examples) and stubtest
+#                               (python/shmstore/_native.pyi against the built module)
+#   scripts/python.sh wheel     builds the abi3 wheel (target/wheels), installs it into a
+#                               clean venv and runs the tests there: no Rust toolchain on
+#                               the PATH, from a directory outside the source tree
 #
 # Afterwards: python/.venv/bin/python -c "import shmstore"
 set -euo pipefail
@@ -24,5 +29,30 @@ case "${1:-}" in
   test) shift; "$venv/bin/python" -m pytest -q python/tests "$@" ;;
   bench) shift; "$venv/bin/python" python/benchmarks/overhead.py "$@" ;;
   example) shift; "$venv/bin/python" examples/vllm_like.py "$@" ;;
-  *) echo "usage: scripts/python.sh [test|bench|example]" >&2; exit 2 ;;
+  typecheck)
+    "$venv/bin/pip" install -q --disable-pip-version-check "mypy>=1.10"
+    (cd python && "$venv/bin/mypy")
+    (cd python && "$venv/bin/python" -m mypy.stubtest shmstore._native)
+    ;;
+  wheel)
+    rm -rf target/wheels
+    (cd python && "$venv/bin/maturin" build --release -q -o "$root/target/wheels")
+    wheel=$(ls target/wheels/shmstore-*-cp311-abi3-*.whl)
+    echo "built $wheel"
+    clean=$root/target/wheel-venv
+    rm -rf "$clean"
+    "$("$py" -c 'import sys; print(sys.executable)')" -m venv "$clean"
+    "$clean/bin/pip" install -q --disable-pip-version-check "$wheel[test]"
+    # The tests alone, copied where no source tree can shadow the installed package, run
+    # with a PATH that has no Rust toolchain (the command-line exporter is given by path).
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    cp -r python/tests "$work/tests"
+    [ -x target/debug/shmstore ] || cargo build -q --bin shmstore
+    (cd "$work" && env PATH="$clean/bin:/usr/bin:/bin" SHMSTORE_BIN="$root/target/debug/shmstore" \
+      sh -c '! command -v cargo >/dev/null && ! command -v rustc >/dev/null || { echo "a Rust toolchain is on the PATH" >&2; exit 1; }
+             python -c "import shmstore, sys; assert \"site-packages\" in shmstore.__file__, shmstore.__file__; print(\"testing\", shmstore.__file__)"
+             python -m pytest -q -p no:cacheprovider tests')
+    ;;
+  *) echo "usage: scripts/python.sh [test|bench|example|typecheck|wheel]" >&2; exit 2 ;;
 esac

@@ -124,7 +124,7 @@ class Instance:
         self.engine.start()
         assert self.conn.recv() == "ready"
 
-    def request(self, items: dict) -> None:
+    def request(self, items: dict) -> float:
         hashes = list(items)
         s = self.sender
         cached = s.is_cached(hashes)

@@ -41,6 +41,7 @@ from ._native import (
     TooManyClients,
     TooManyPins,
     View,
+    __version__,
     content_id,
     key_id,
     _after_fork_in_child,
@@ -56,6 +57,7 @@ from .cache import ReceiverCache, SenderCache
 _os.register_at_fork(after_in_child=_after_fork_in_child)
 
 __all__ = [
+    "__version__",
     "AlreadyExists",
     "BadItem",
     "Corrupted",

@@ -27,7 +27,7 @@ from . import _native
 try:  # numpy is needed for items, not for the raw store.
     import numpy as np
 except ImportError:  # pragma: no cover
-    np = None
+    np = None  # type: ignore[assignment]
 
 _NP_NAMES = {
     "float32": "float32",
@@ -44,7 +44,7 @@ _NP_NAMES = {
 
 def _bf16_numpy_dtype():
     try:
-        import ml_dtypes  # type: ignore
+        import ml_dtypes
 
         return np.dtype(ml_dtypes.bfloat16)
     except ImportError:

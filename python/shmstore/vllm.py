@@ -121,7 +121,7 @@ def _field_layout(cls) -> tuple[str | None, tuple[str, ...]]:
 
 
 def _field_kind(field) -> tuple[str, dict[str, Any]]:
-    name, params = _field_layout(type(field))
+    name, params = _field_layout(type(field))  # type: ignore[arg-type]  # vLLM untyped here
     if name not in _FIELD_KINDS:
         raise Unsupported("field", f"field type {type(field).__name__}")
     kw = {}
@@ -260,7 +260,7 @@ def remove_stale_stores(directory: str = "/dev/shm") -> list[str]:
     store with no live process attached (dead ones are recovered on the way). Returns
     the names removed. A store in use is never touched: attaching shows its live clients.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

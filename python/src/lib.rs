@@ -1088,6 +1088,8 @@ fn key_id<'py>(py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    // The one version of crate, bindings and package (the workspace's, in Cargo.toml).
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<PyStore>()?;
     m.add_class::<PyView>()?;
     m.add_class::<PyCreation>()?;

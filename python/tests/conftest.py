@@ -3,6 +3,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from typing import IO
 
 import pytest
 
@@ -37,8 +38,16 @@ def run_python(code: str, *args: str, check: bool = True, **kw) -> subprocess.Co
     )
 
 
-def spawn_python(code: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
+class Child(subprocess.Popen[str]):
+    """A child interpreter whose stdin and stdout are pipes (never None)."""
+
+    stdin: IO[str]
+    stdout: IO[str]
+
+
+def spawn_python(code: str, *args: str) -> Child:
+    """Starts `code` in a fresh interpreter, talking over line pipes."""
+    return Child(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

@@ -18,7 +18,7 @@ from conftest import spawn_python
 
 # With "fork" the child uses the parent's handle (inherited through this global); with
 # "spawn" it starts fresh and opens the store by name.
-_inherited = {}
+_inherited: dict[str, shmstore.Store | None] = {}
 
 
 def _child(store_name, key, expect_sum, q, go):

@@ -3,6 +3,7 @@
 import gc
 import importlib.util
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 def test_round_trip_of_every_numpy_dtype_and_shape(store):
     rng = np.random.default_rng(7)
-    arrays = {
+    arrays: dict[str, Any] = {
         "f32": rng.random((3, 17, 5), dtype=np.float32),
         "f16": rng.random((16, 3, 8, 8)).astype(np.float16),
         "f64": rng.random(9),

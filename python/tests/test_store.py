@@ -252,3 +252,13 @@ def test_read_only_attach_faults_on_write(store, store_name):
     assert "attached" in out.stdout and "wrote" not in out.stdout
     assert out.returncode == -signal.SIGSEGV
     assert bytes(store.get("ro", 0))[:1] == b"\x01"
+
+
+def test_the_version_comes_from_one_place():
+    import importlib.metadata
+    import re
+
+    # The installed distribution's version (pyproject.toml takes it from Cargo.toml), the
+    # module's and the Rust crate's are one number.
+    assert shmstore.__version__ == importlib.metadata.version("shmstore")
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", shmstore.__version__)

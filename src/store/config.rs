@@ -53,7 +53,7 @@ pub struct StoreConfig {
     pub when_full: WhenFull,
     /// Remove the store's file when the last attached process detaches (or dies and is
     /// recovered by a process that then detaches). Off by default: a store normally
-    /// outlives its processes until [`Store::unlink`] or `shmstore rm`.
+    /// outlives its processes until [`Store::unlink`](crate::Store::unlink) or `shmstore rm`.
     pub remove_when_unused: bool,
 }
 
@@ -194,7 +194,7 @@ pub struct AttachOptions {
     /// Pins still work (they live in the metadata, which stays writable).
     pub read_only: bool,
     /// Recover dead clients while attaching (the default). Off, dead clients are left
-    /// until this process's first maintenance or an explicit [`Store::recover`], whose
+    /// until this process's first maintenance or an explicit [`Store::recover`](crate::Store::recover), whose
     /// report then covers them (what `shmstore recover` does).
     pub recover_on_attach: bool,
 }
@@ -242,7 +242,7 @@ pub struct Stats {
     pub clients: u64,
     /// Client slots still held by processes that have died (their pins and unfinished
     /// creations are not reclaimed yet; any live process reclaims them within
-    /// moments, or at once with [`Store::recover`]).
+    /// moments, or at once with [`Store::recover`](crate::Store::recover)).
     pub dead_clients: u64,
     /// Dead clients recovered since the store was created.
     pub recovered_clients: u64,
@@ -296,7 +296,7 @@ pub enum ObjectState {
     Draining,
 }
 
-/// One object as [`Store::list`] reports it.
+/// One object as [`Store::list`](crate::Store::list) reports it.
 ///
 /// ```
 /// # let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
