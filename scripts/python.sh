@@ -8,6 +8,7 @@
 #   scripts/python.sh example   ... then examples/vllm_like.py (engine + 2 workers)
 #   scripts/python.sh typecheck ... then mypy (package, tests, examples) and stubtest
 #                               (python/shmstore/_native.pyi against the built module)
+#   scripts/python.sh plot ARGS ... then scripts/plot.py ARGS (matplotlib installed first)
 #   scripts/python.sh wheel     builds the abi3 wheel (target/wheels), installs it into a
 #                               clean venv and runs the tests there: no Rust toolchain on
 #                               the PATH, from a directory outside the source tree
@@ -29,6 +30,11 @@ case "${1:-}" in
   test) shift; "$venv/bin/python" -m pytest -q python/tests "$@" ;;
   bench) shift; "$venv/bin/python" python/benchmarks/overhead.py "$@" ;;
   example) shift; "$venv/bin/python" examples/vllm_like.py "$@" ;;
+  plot)
+    shift
+    "$venv/bin/pip" install -q --disable-pip-version-check "matplotlib>=3.7"
+    "$venv/bin/python" scripts/plot.py "$@"
+    ;;
   typecheck)
     "$venv/bin/pip" install -q --disable-pip-version-check "mypy>=1.10"
     (cd python && "$venv/bin/mypy")
@@ -54,5 +60,5 @@ case "${1:-}" in
              python -c "import shmstore, sys; assert \"site-packages\" in shmstore.__file__, shmstore.__file__; print(\"testing\", shmstore.__file__)"
              python -m pytest -q -p no:cacheprovider tests')
     ;;
-  *) echo "usage: scripts/python.sh [test|bench|example|typecheck|wheel]" >&2; exit 2 ;;
+  *) echo "usage: scripts/python.sh [test|bench|example|plot|typecheck|wheel]" >&2; exit 2 ;;
 esac

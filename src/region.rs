@@ -18,10 +18,8 @@
 use crate::error::{Error, Result};
 use crate::layout::{Superblock, PAGE};
 use memmap2::{MmapOptions, MmapRaw};
-use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -67,28 +65,18 @@ impl HugePages {
 }
 
 /// `statfs` magic of hugetlbfs.
-const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+const HUGETLBFS_MAGIC: rustix::fs::FsWord = 0x9584_58f6;
 
 /// What `fstatfs` says about the file system of `fd`: (is it hugetlbfs, its block size).
-fn fs_of(fd: libc::c_int) -> Option<(bool, u64)> {
-    // SAFETY: statfs is plain old data; all-zero is a valid value to overwrite.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: valid fd and out-pointer.
-    if unsafe { libc::fstatfs(fd, &mut st) } != 0 || st.f_bsize <= 0 {
-        return None;
-    }
-    Some((st.f_type as i64 == HUGETLBFS_MAGIC, st.f_bsize as u64))
+fn fs_of(file: &File) -> Option<(bool, u64)> {
+    let st = rustix::fs::fstatfs(file).ok()?;
+    let block = u64::try_from(st.f_bsize).ok().filter(|&b| b > 0)?;
+    Some((st.f_type == HUGETLBFS_MAGIC, block))
 }
 
 /// Whether `dir` is on hugetlbfs.
 fn is_hugetlbfs(dir: &Path) -> bool {
-    let Ok(c) = CString::new(dir.as_os_str().as_encoded_bytes()) else {
-        return false;
-    };
-    // SAFETY: statfs is plain old data; all-zero is a valid value to overwrite.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a valid NUL-terminated path, `st` a valid out-pointer.
-    unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == HUGETLBFS_MAGIC }
+    rustix::fs::statfs(dir).is_ok_and(|st| st.f_type == HUGETLBFS_MAGIC)
 }
 
 /// Free huge pages of the default size, from /proc/meminfo: (free pages, page size).
@@ -129,14 +117,8 @@ fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> Err
 
 /// Free bytes on the file system holding `dir`.
 pub(crate) fn free_space(dir: &Path) -> Option<u64> {
-    let c = CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
-    // SAFETY: statvfs is plain-old-data; all-zero is a valid value to be overwritten.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a valid NUL-terminated path, `st` a valid out-pointer.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    Some(st.f_bavail as u64 * st.f_frsize as u64)
+    let st = rustix::fs::statvfs(dir).ok()?;
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// Reserves `len` bytes for `file` (the kernel allocates and zeroes every page once: the
@@ -144,7 +126,7 @@ pub(crate) fn free_space(dir: &Path) -> Option<u64> {
 /// than a second prints a progress line on stderr (when `progress` is set).
 fn reserve(file: &File, len: u64, path: &Path, progress: bool) -> Result<()> {
     const STEP: u64 = 256 << 20;
-    if let Some((true, page)) = fs_of(file.as_raw_fd()) {
+    if let Some((true, page)) = fs_of(file) {
         return reserve_huge(file, len, page);
     }
     let start = std::time::Instant::now();
@@ -180,30 +162,29 @@ fn reserve(file: &File, len: u64, path: &Path, progress: bool) -> Result<()> {
 /// Reserves `len` bytes of huge pages of `page` bytes in one call: the kernel takes and
 /// zeroes every huge page now, so a shortage is an error here and never a SIGBUS later.
 fn reserve_huge(file: &File, len: u64, page: u64) -> Result<()> {
-    // SAFETY: valid fd; fallocate only touches the file's blocks.
-    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
-    match rc {
-        0 => Ok(()),
-        libc::ENOSPC | libc::ENOMEM => Err(Error::HugePagesUnavailable {
-            page_size: page,
-            needed: len / page,
-            free: free_huge_pages().map_or(0, |(free, _)| free),
-        }),
-        e => Err(Error::Io {
-            op: "posix_fallocate (huge pages)",
+    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, len) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::NOSPC | rustix::io::Errno::NOMEM) => {
+            Err(Error::HugePagesUnavailable {
+                page_size: page,
+                needed: len / page,
+                free: free_huge_pages().map_or(0, |(free, _)| free),
+            })
+        }
+        Err(e) => Err(Error::Io {
+            op: "fallocate (huge pages)",
             path: PathBuf::from("<hugetlb>"),
-            source: io::Error::from_raw_os_error(e),
+            source: e.into(),
         }),
     }
 }
 
 fn reserve_range(file: &File, at: u64, n: u64, len: u64, path: &Path) -> Result<()> {
-    // SAFETY: valid fd; posix_fallocate only touches the file's blocks.
-    let rc =
-        unsafe { libc::posix_fallocate(file.as_raw_fd(), at as libc::off_t, n as libc::off_t) };
-    match rc {
-        0 => Ok(()),
-        libc::ENOSPC => {
+    // fallocate(2) itself, not glibc's posix_fallocate, which would fall back to writing
+    // zeros on a file system without it: tmpfs and hugetlbfs both have it.
+    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), at, n) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::NOSPC) => {
             let dir = path.parent().unwrap_or(Path::new("/"));
             Err(Error::InsufficientSpace {
                 path: path.to_path_buf(),
@@ -211,10 +192,10 @@ fn reserve_range(file: &File, at: u64, n: u64, len: u64, path: &Path) -> Result<
                 available: free_space(dir).unwrap_or(0),
             })
         }
-        e => Err(Error::Io {
-            op: "posix_fallocate",
+        Err(e) => Err(Error::Io {
+            op: "fallocate",
             path: path.to_path_buf(),
-            source: io::Error::from_raw_os_error(e),
+            source: e.into(),
         }),
     }
 }
@@ -356,7 +337,7 @@ impl Mapping {
             let _ = std::fs::remove_file(&tmp);
             e
         };
-        let (hugetlbfs, page) = fs_of(file.as_raw_fd()).unwrap_or((false, PAGE));
+        let (hugetlbfs, page) = fs_of(&file).unwrap_or((false, PAGE));
         if huge == HugePages::Hugetlb && !hugetlbfs {
             return Err(cleanup(Error::InvalidConfig {
                 reason: format!(
@@ -396,42 +377,31 @@ impl Mapping {
         progress: bool,
     ) -> Result<Mapping> {
         let label = Path::new("memfd:shmstore");
-        let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+        use rustix::fs::{MemfdFlags, SealFlags};
+        let mut flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
         if huge == HugePages::Hugetlb {
-            flags |= libc::MFD_HUGETLB;
+            flags |= MemfdFlags::HUGETLB;
         }
-        // SAFETY: valid NUL-terminated name; flags are valid for memfd_create.
-        let fd = unsafe { libc::memfd_create(c"shmstore".as_ptr(), flags) };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
+        let fd = rustix::fs::memfd_create(c"shmstore", flags);
+        let fd = fd.map_err(|e| {
+            let e = io::Error::from(e);
             if huge == HugePages::Hugetlb {
-                return Err(Error::InvalidConfig {
+                Error::InvalidConfig {
                     reason: format!(
                         "memfd_create(MFD_HUGETLB) failed ({e}): this kernel offers no \
                          huge-page memfd; create the store without HugePages::Hugetlb"
                     ),
-                });
+                }
+            } else {
+                io_err("memfd_create", label)(e)
             }
-            return Err(io_err("memfd_create", label)(e));
-        }
-        // SAFETY: memfd_create returned a fresh descriptor that nothing else owns.
-        let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-        let page = fs_of(file.as_raw_fd()).map_or(PAGE, |(_, page)| page);
+        })?;
+        let file = File::from(fd);
+        let page = fs_of(&file).map_or(PAGE, |(_, page)| page);
         let len = whole_pages(sb.total_size, page);
         reserve(&file, len, Path::new("/dev/shm/memfd"), progress)?;
-        // SAFETY: valid fd; sealing only restricts future size changes.
-        let rc = unsafe {
-            libc::fcntl(
-                file.as_raw_fd(),
-                libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
-            )
-        };
-        if rc != 0 {
-            return Err(io_err("fcntl(F_ADD_SEALS)", label)(
-                io::Error::last_os_error(),
-            ));
-        }
+        rustix::fs::fcntl_add_seals(&file, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .map_err(|e| io_err("fcntl(F_ADD_SEALS)", label)(e.into()))?;
         let map = map(&file, len, label)?;
         let m = Mapping::finish(map, file, None, huge, prefault);
         m.write_superblock(sb);
@@ -471,7 +441,7 @@ impl Mapping {
             .map_err(io_err("read superblock", &shown))?;
         let sb = Superblock::validate(&head, len, &shown)?;
         // Whole pages where the file system has huge ones (the file was reserved so).
-        let page = fs_of(file.as_raw_fd()).map_or(PAGE, |(_, page)| page);
+        let page = fs_of(&file).map_or(PAGE, |(_, page)| page);
         let map = map(&file, whole_pages(sb.total_size, page).min(len), &shown)?;
         let m = Mapping::finish(map, file, path, huge, prefault);
         // The file could have been rewritten between our pread and the mmap; check again
@@ -570,7 +540,7 @@ impl Mapping {
     /// The page size of the file system backing the store (`fstatfs`'s block size:
     /// 4096 on tmpfs, the huge page size on hugetlbfs).
     pub(crate) fn page_size(&self) -> u64 {
-        fs_of(self.file.as_raw_fd()).map_or(PAGE, |(_, page)| page)
+        fs_of(&self.file).map_or(PAGE, |(_, page)| page)
     }
 }
 

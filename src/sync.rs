@@ -9,8 +9,8 @@
 //! # Futexes: shared, never private
 //! A waiter in one process must be woken by a sealer in another. `atomic-wait` (and std's own
 //! parking) always passes `FUTEX_PRIVATE_FLAG`, which keys the wait queue on the *virtual*
-//! address inside one process: a waker in another process never finds it. We therefore issue
-//! the `futex(2)` syscall ourselves without the private flag, so the kernel keys the queue on
+//! address inside one process: a waker in another process never finds it. We therefore call
+//! `futex(2)` without the private flag (rustix's safe wrapper, empty flags), so the kernel keys the queue on
 //! the shared page itself (inode + offset); this works even when the processes map the region
 //! at different addresses. Every wait has a timeout, so a lost wake-up (or a dead waker) can
 //! only ever cost the caller its own timeout. See docs/design.md, "Waiting".
@@ -93,11 +93,6 @@ macro_rules! atomic_newtype {
             #[inline]
             pub(crate) fn fetch_or(&self, v: $int, o: Ordering) -> $int {
                 self.0.fetch_or(v, o)
-            }
-            /// The word's address, for the futex syscall.
-            #[inline]
-            pub(crate) fn as_ptr(&self) -> *mut $int {
-                self.0.as_ptr()
             }
         }
     };
@@ -185,47 +180,27 @@ pub(crate) mod futex {
     /// `expected`; callers always re-check their condition in a loop.
     #[cfg(not(loom))]
     pub(crate) fn wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
-        let ts = timeout.map(|t| libc::timespec {
-            tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
-            tv_nsec: t.subsec_nanos() as libc::c_long,
+        let ts = timeout.map(|t| rustix::thread::futex::Timespec {
+            tv_sec: t.as_secs().min(i64::MAX as u64) as i64,
+            tv_nsec: i64::from(t.subsec_nanos()),
         });
-        let ts_ptr = ts
-            .as_ref()
-            .map_or(std::ptr::null(), |t| t as *const libc::timespec);
-        // SAFETY: `word` is a live, 4-byte aligned atomic for the duration of the call; the
-        // kernel only reads it. FUTEX_WAIT without FUTEX_PRIVATE_FLAG keys the queue on the
-        // backing page, so wakers in other processes find it. `ts_ptr` is null or points to
-        // a timespec that outlives the call. Errors (EAGAIN, EINTR, ETIMEDOUT) all mean
+        // Flags::empty(), not PRIVATE: the kernel keys the queue on the backing page, so
+        // wakers in other processes find it. Errors (EAGAIN, EINTR, ETIMEDOUT) all mean
         // "return and re-check", which every caller does.
-        unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                word.as_ptr(),
-                libc::FUTEX_WAIT,
-                expected,
-                ts_ptr,
-                std::ptr::null::<u32>(),
-                0u32,
-            );
-        }
+        let _ = rustix::thread::futex::wait(
+            &word.0,
+            rustix::thread::futex::Flags::empty(),
+            expected,
+            ts.as_ref(),
+        );
     }
 
     /// Wakes every process and thread sleeping on `word`.
     #[cfg(not(loom))]
     pub(crate) fn wake_all(word: &AtomicU32) {
-        // SAFETY: `word` is a live, aligned atomic; FUTEX_WAKE does not dereference beyond
-        // it. Shared (non-private) op to match `wait`.
-        unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                word.as_ptr(),
-                libc::FUTEX_WAKE,
-                i32::MAX,
-                std::ptr::null::<libc::timespec>(),
-                std::ptr::null::<u32>(),
-                0u32,
-            );
-        }
+        // Shared (non-private), to match `wait`.
+        let _ =
+            rustix::thread::futex::wake(&word.0, rustix::thread::futex::Flags::empty(), u32::MAX);
     }
 
     #[cfg(loom)]

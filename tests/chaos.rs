@@ -21,7 +21,7 @@ mod common;
 
 use common::{child_role, spawn, unique_name, Cleanup, Proc};
 use shmstore::{Error, ObjectId, ObjectState, Store, StoreConfig, View, WhenFull};
-use std::io::BufRead;
+use std::io::{BufRead, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -380,6 +380,26 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
     let mut rng = Rng::seeded();
     let mut kills = 0u64;
     let start = Instant::now();
+    // The timeline (kills, recoveries, bytes reclaimed) for scripts/plot.py: one JSON
+    // object per line, sampled after every kill.
+    let timeline_path = std::env::var_os("SHMSTORE_CHAOS_TIMELINE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("chaos-timeline.jsonl"));
+    let mut timeline = std::io::BufWriter::new(std::fs::File::create(&timeline_path).unwrap());
+    let mut sample = |kills: u64| {
+        let st = store.stats();
+        let line = serde_json::json!({
+            "t_s": start.elapsed().as_secs_f64(),
+            "kills": kills,
+            "recovered_clients": st.recovered_clients,
+            "dead_clients": st.dead_clients,
+            "reclaimed_bytes": st.reclaimed_bytes,
+            "used_bytes": st.used,
+            "objects": st.objects,
+        });
+        writeln!(timeline, "{line}").unwrap();
+    };
+    sample(0);
     while start.elapsed() < Duration::from_secs(secs) {
         // The kill schedule: a random moment, whatever the workers are doing (no race to
         // wait out; the checks at the end hold for every interleaving).
@@ -398,6 +418,7 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
         assert_eq!(failed, None, "a worker failed a check before its kill");
         finished.push(*w.latest.lock().unwrap());
         kills += 1;
+        sample(kills);
         workers.push(start_worker(&path, &stop));
     }
     std::fs::write(&stop, b"stop").unwrap();
@@ -415,6 +436,9 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
 
     // After recovery...
     let rec = store.recover().unwrap();
+    sample(kills);
+    timeline.flush().unwrap();
+    drop(timeline);
     let st = store.stats();
     assert_eq!((st.dead_clients, st.clients), (0, 1), "{st:?}");
     assert!(!st.sweep_pending, "{st:?} {rec:?}");

@@ -208,6 +208,16 @@ pub fn run(opts: &Options) -> Result<(), String> {
         ratio(g50, rtt),
         "<= 500 ns (Plasma 40 us)",
     );
+    // What counting costs: each get adds to this process's own counters (no cache line
+    // shared with other processes); the same get without it, in the same worker.
+    let off = r.fig("get_hit_uncounted_p50_ns", v[2]);
+    r.row(
+        "get hit with stats counters, p50",
+        ns(g50),
+        format!("same get, uncounted {}", ns(off)),
+        ratio(g50, off),
+        "<= 1.1x",
+    );
 
     // ---- 2. create + write + seal ------------------------------------------------------
     progress("create + write + seal");
