@@ -33,6 +33,7 @@ __all__ = [
     "TooManyClients",
     "TooManyPins",
     "View",
+    "__version__",
     "_after_fork_in_child",
     "content_id",
     "decode_item",

@@ -198,10 +198,10 @@ fn err(e: shmstore::Error) -> PyErr {
 /// An id from Python: a `str` key (hashed with blake3, e.g. vLLM's `mm_hash`), or 32 raw
 /// id bytes (from `content_id` / `key_id`).
 fn object_id(obj: &Bound<'_, PyAny>) -> PyResult<ObjectId> {
-    if let Ok(s) = obj.downcast::<PyString>() {
+    if let Ok(s) = obj.cast::<PyString>() {
         return Ok(ObjectId::of_key(s.to_str()?));
     }
-    if let Ok(b) = obj.downcast::<PyBytes>() {
+    if let Ok(b) = obj.cast::<PyBytes>() {
         let raw: [u8; 32] = b.as_bytes().try_into().map_err(|_| {
             PyValueError::new_err(
                 "an id given as bytes must be exactly 32 bytes (use a str key, or \
@@ -236,7 +236,7 @@ fn sliced<T: Send>(
     let start = Instant::now();
     loop {
         let slice = timeout.saturating_sub(start.elapsed()).min(SIGNAL_SLICE);
-        match py.allow_threads(|| op(slice)) {
+        match py.detach(|| op(slice)) {
             Err(e) if again(&e) && start.elapsed() < timeout => py.check_signals()?,
             Err(shmstore::Error::Timeout { id, .. }) => {
                 return Err(err(shmstore::Error::Timeout {
@@ -312,7 +312,7 @@ impl Drop for RawBuf {
     fn drop(&mut self) {
         // SAFETY: the view was filled by a successful PyObject_GetBuffer and is released
         // exactly once, with the GIL held.
-        Python::with_gil(|_| unsafe { ffi::PyBuffer_Release(&mut *self.view) });
+        Python::attach(|_| unsafe { ffi::PyBuffer_Release(&mut *self.view) });
     }
 }
 
@@ -582,10 +582,10 @@ fn meta_value(v: &Bound<'_, PyAny>) -> PyResult<MetaValue> {
     if v.is_instance_of::<PyFloat>() {
         return Ok(MetaValue::Float(v.extract()?));
     }
-    if let Ok(s) = v.downcast::<PyString>() {
+    if let Ok(s) = v.cast::<PyString>() {
         return Ok(MetaValue::Str(s.to_str()?.to_owned()));
     }
-    if let Ok(b) = v.downcast::<PyBytes>() {
+    if let Ok(b) = v.cast::<PyBytes>() {
         return Ok(MetaValue::Bytes(b.as_bytes().to_vec()));
     }
     Err(PyTypeError::new_err(format!(
@@ -594,7 +594,7 @@ fn meta_value(v: &Bound<'_, PyAny>) -> PyResult<MetaValue> {
     )))
 }
 
-fn meta_object(py: Python<'_>, v: &MetaValue) -> PyResult<PyObject> {
+fn meta_object(py: Python<'_>, v: &MetaValue) -> PyResult<Py<PyAny>> {
     Ok(match v {
         MetaValue::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
         MetaValue::Float(f) => f.into_pyobject(py)?.into_any().unbind(),
@@ -676,7 +676,7 @@ impl PyStore {
         let meta = meta.map(RawBuf::get).transpose()?;
         let m = meta.as_ref().map_or(&[][..], |m| m.as_slice());
         let bytes = buf.as_slice();
-        let slow = || py.allow_threads(|| self.s.put_with_meta(&id, bytes, m));
+        let slow = || py.detach(|| self.s.put_with_meta(&id, bytes, m));
         if bytes.len() >= RELEASE_GIL_AT {
             return slow().map_err(err);
         }
@@ -705,7 +705,7 @@ impl PyStore {
         // Without the GIL: a create may recover dead clients or evict (whole-table work).
         let c = match timeout {
             None => py
-                .allow_threads(|| self.s.create_object_with_meta(&id, n, m))
+                .detach(|| self.s.create_object_with_meta(&id, n, m))
                 .map_err(err)?,
             Some(t) => {
                 let t = timeout_of(Some(t))?;
@@ -852,7 +852,7 @@ impl PyStore {
 
     /// Reclaims what dead processes left now; returns what it did.
     fn recover<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let r = py.allow_threads(|| self.s.recover()).map_err(err)?;
+        let r = py.detach(|| self.s.recover()).map_err(err)?;
         let d = PyDict::new(py);
         d.set_item("clients_recovered", r.clients_recovered)?;
         d.set_item("pins_released", r.pins_released)?;
@@ -872,7 +872,7 @@ impl PyStore {
     /// first writes into fresh blocks take no page faults); run it on a background thread
     /// for large stores.
     fn prefault(&self, py: Python<'_>) {
-        py.allow_threads(|| self.s.prefault())
+        py.detach(|| self.s.prefault())
     }
 
     /// `(address, length)` of the store's payload heap in this process (for
@@ -999,7 +999,7 @@ fn put_item_buffers(
         }
         c.seal()
     };
-    let r = py.allow_threads(write);
+    let r = py.detach(write);
     drop(bufs); // released with the GIL held
     r.map_err(err)
 }
@@ -1072,7 +1072,7 @@ fn decode_item<'py>(py: Python<'py>, data: &Bound<'py, PyAny>) -> PyResult<Bound
 fn content_id<'py>(py: Python<'py>, data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
     let buf = RawBuf::get(data)?;
     let id = if buf.as_slice().len() >= RELEASE_GIL_AT {
-        py.allow_threads(|| ObjectId::of_content(buf.as_slice()))
+        py.detach(|| ObjectId::of_content(buf.as_slice()))
     } else {
         ObjectId::of_content(buf.as_slice())
     };
