@@ -20,15 +20,8 @@ fn shmstore(args: &[&str]) -> (bool, String, String) {
 }
 
 fn field(json: &str, key: &str) -> u64 {
-    let at = json
-        .find(&format!("\"{key}\":"))
-        .unwrap_or_else(|| panic!("{key} in {json}"));
-    json[at + key.len() + 3..]
-        .chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect::<String>()
-        .parse()
-        .unwrap()
+    let v: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json}"));
+    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {json}"))
 }
 
 #[test]
