@@ -139,24 +139,14 @@ impl Drop for ControlPage {
 
 /// Sleeps while `*w == v` (shared futex, no timeout: the peer is our own child).
 pub fn futex_wait(w: &AtomicU32, v: u32) {
-    // SAFETY: `w` is a live aligned u32 in a shared mapping; shared (non-private) futex.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            w.as_ptr(),
-            libc::FUTEX_WAIT,
-            v,
-            std::ptr::null::<libc::timespec>(),
-        );
-    }
+    // Empty flags: shared, not private, so the child's wake finds us. Any error (EAGAIN,
+    // EINTR) returns to the caller's loop, which re-checks.
+    let _ = rustix::thread::futex::wait(w, rustix::thread::futex::Flags::empty(), v, None);
 }
 
 /// Wakes everyone sleeping on `w`.
 pub fn futex_wake(w: &AtomicU32) {
-    // SAFETY: as in `futex_wait`.
-    unsafe {
-        libc::syscall(libc::SYS_futex, w.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
-    }
+    let _ = rustix::thread::futex::wake(w, rustix::thread::futex::Flags::empty(), u32::MAX);
 }
 
 /// Waits until `*w == target`.
@@ -207,10 +197,7 @@ pub fn median(v: &mut [f64]) -> f64 {
 
 /// Sum of every byte of `b`, read as u64 words (touches each byte once).
 pub fn touch_all(b: &[u8]) -> u64 {
-    let (head, words, tail) = {
-        // SAFETY: u64 has no invalid bit patterns; align_to only reinterprets the middle.
-        unsafe { b.align_to::<u64>() }
-    };
+    let (head, words, tail) = bytemuck::pod_align_to::<u8, u64>(b);
     let mut s = 0u64;
     for &x in head.iter().chain(tail) {
         s = s.wrapping_add(x as u64);
@@ -244,12 +231,7 @@ pub fn filler(seed: u64, len: usize) -> Vec<u8> {
 /// CLOCK_MONOTONIC in ns: one clock for every process on the machine, so a timestamp taken
 /// in one process can be subtracted from one taken in another.
 pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
