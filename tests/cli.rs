@@ -19,6 +19,13 @@ fn shmstore(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// The first line a child writes to one of its pipes (read without waiting for the rest).
+fn first_line(pipe: impl std::io::Read) -> String {
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(pipe), &mut line).unwrap();
+    line
+}
+
 fn field(json: &str, key: &str) -> u64 {
     let v: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json}"));
     v[key].as_u64().unwrap_or_else(|| panic!("{key} in {json}"))
@@ -117,12 +124,7 @@ fn ls_streams_every_object_and_stops_at_its_limit() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut first = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut first,
-    )
-    .unwrap();
+    let first = first_line(child.stdout.take().unwrap());
     assert!(first.starts_with("id"), "{first}");
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
@@ -153,12 +155,7 @@ fn stat_reports_a_killed_client_as_dead() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
-        &mut line,
-    )
-    .unwrap();
+    let line = first_line(child.stdout.as_mut().unwrap());
     assert_eq!(line.trim(), "ready");
     assert_eq!(s.stats().clients, 2);
     child.kill().unwrap();
@@ -318,12 +315,7 @@ fn metrics_print_and_serve_the_store_figures() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(server.stderr.as_mut().unwrap()),
-        &mut line,
-    )
-    .unwrap();
+    let line = first_line(server.stderr.as_mut().unwrap());
     let url = line.trim().rsplit(' ').next().unwrap().to_string();
     let addr = url
         .strip_prefix("http://")
