@@ -145,40 +145,60 @@ def _slices_in(v):
     return [_slices_in(x) for x in v]
 
 
+def _data_out(x, arrays: dict[str, torch.Tensor]):
+    """``x`` as JSON, its tensors moved to ``arrays``. A module-level function, not a
+    closure: a recursive closure is a reference cycle, which would keep ``arrays`` (and
+    on the worker side, the pins of its tensors) alive until the garbage collector runs."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise Unsupported("device", f"a tensor on {x.device}")
+        if x.dtype not in _TORCH_DTYPES:
+            raise Unsupported("dtype", f"dtype {x.dtype}")
+        name = f"t{len(arrays)}"
+        arrays[name] = x
+        return {"t": name}
+    if isinstance(x, bool):
+        return {"b": x}
+    if isinstance(x, int):
+        return {"i": x}
+    if isinstance(x, float):
+        return {"f": x}
+    if x is None:
+        return None
+    if isinstance(x, list):
+        return {"l": [_data_out(e, arrays) for e in x]}
+    if isinstance(x, tuple):
+        return {"u": [_data_out(e, arrays) for e in x]}
+    raise Unsupported("type", f"a value of type {type(x).__name__}")
+
+
+def _data_in(x, arrays: dict[str, Any]):
+    """The value ``_data_out`` encoded, its tensors taken from ``arrays`` (see there why
+    this is not a closure)."""
+    if x is None:
+        return None
+    ((tag, v),) = x.items()
+    if tag == "t":
+        return arrays[v]
+    if tag in ("i", "f", "b"):
+        return v
+    if tag == "l":
+        return [_data_in(e, arrays) for e in v]
+    if tag == "u":
+        return tuple(_data_in(e, arrays) for e in v)
+    raise ValueError(f"unknown tag {tag!r} in a shmstore item")
+
+
 def encode_item(item: MultiModalKwargsItem) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The arrays and metadata of a shmstore item holding ``item``: every tensor becomes
     one array (copied once by ``put_item``); the structure (keys, field kinds and their
     parameters, nesting of lists and tuples, plain numbers) is one small JSON string.
     Raises ``Unsupported`` for anything else (a GPU tensor, an exotic dtype, a string)."""
     arrays: dict[str, torch.Tensor] = {}
-
-    def data_out(x):
-        if isinstance(x, torch.Tensor):
-            if x.device.type != "cpu":
-                raise Unsupported("device", f"a tensor on {x.device}")
-            if x.dtype not in _TORCH_DTYPES:
-                raise Unsupported("dtype", f"dtype {x.dtype}")
-            name = f"t{len(arrays)}"
-            arrays[name] = x
-            return {"t": name}
-        if isinstance(x, bool):
-            return {"b": x}
-        if isinstance(x, int):
-            return {"i": x}
-        if isinstance(x, float):
-            return {"f": x}
-        if x is None:
-            return None
-        if isinstance(x, list):
-            return {"l": [data_out(e) for e in x]}
-        if isinstance(x, tuple):
-            return {"u": [data_out(e) for e in x]}
-        raise Unsupported("type", f"a value of type {type(x).__name__}")
-
     keys = []
     for key, elem in item.items():
         kind, kw = _field_kind(elem.field)
-        keys.append({"k": key, "field": [kind, kw], "data": data_out(elem.data)})
+        keys.append({"k": key, "field": [kind, kw], "data": _data_out(elem.data, arrays)})
     structure = json.dumps({"v": FORMAT, "keys": keys}, separators=(",", ":"))
     return arrays, {_STRUCTURE: structure}
 
@@ -207,23 +227,8 @@ def decode_item(arrays: dict[str, Any]) -> MultiModalKwargsItem:
     """The ``MultiModalKwargsItem`` an item holds, its tensors being ``arrays``'s
     (zero-copy views of the shared object, as ``get_item(..., as_torch=True)`` returns)."""
     meta = arrays.get("__meta__") or {}
-
-    def data_in(x):
-        if x is None:
-            return None
-        (tag, v), = x.items()
-        if tag == "t":
-            return arrays[v]
-        if tag in ("i", "f", "b"):
-            return v
-        if tag == "l":
-            return [data_in(e) for e in v]
-        if tag == "u":
-            return tuple(data_in(e) for e in v)
-        raise ValueError(f"unknown tag {tag!r} in a shmstore item")
-
     return MultiModalKwargsItem(
-        {key: MultiModalFieldElem(data=data_in(d), field=field) for key, field, d in _structure(meta[_STRUCTURE])}
+        {key: MultiModalFieldElem(data=_data_in(d, arrays), field=field) for key, field, d in _structure(meta[_STRUCTURE])}
     )
 
 

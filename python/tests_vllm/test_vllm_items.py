@@ -109,3 +109,18 @@ def test_items_it_cannot_hold_go_inline_with_one_log_line(store_env, caplog):
     assert sum("goes inline" in r.message for r in caplog.records) == 2
     assert not sender.is_cached_item("odd-a")
     sender.close()
+
+
+@pytest.mark.parametrize("kind", ["image", "nested"])
+def test_a_dropped_item_unpins_at_once_without_the_garbage_collector(store, kind):
+    # A worker drops a request's items when the request ends: the pins must go with the
+    # last reference, not at the next garbage collection (a reference cycle in the
+    # decoder once kept them, so the store could not evict them and filled up).
+    gc.disable()
+    try:
+        back = roundtrip(store, make_item(f"drop-{kind}", kind=kind), kind)
+        assert store.stats()["pins"] > 0
+        del back
+        assert store.stats()["pins"] == 0
+    finally:
+        gc.enable()
