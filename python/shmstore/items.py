@@ -156,13 +156,16 @@ def get_item(
     timeout: float | None = None,
     *,
     as_torch: bool = False,
+    wait_if_absent: bool = True,
 ) -> dict[str, Any]:
     """Returns the item under ``key`` as a dict of zero-copy, read-only arrays (numpy, or
     torch tensors with ``as_torch=True``), plus its metadata under the key ``"__meta__"``
     if it has any. Waits up to ``timeout`` seconds (None: forever) for the item to be
-    sealed. The object stays pinned while any returned array is alive.
+    sealed; with ``wait_if_absent=False`` only for an item being written, and raises
+    ``NotFound`` at once for an absent one. The object stays pinned while any returned
+    array is alive.
     """
-    mv = store.get(key, timeout)
+    mv = store.get(key, timeout, wait_if_absent=wait_if_absent)
     arrays, meta = _native.decode_item(mv)
     out: dict[str, Any] = {}
     if as_torch:

@@ -29,12 +29,18 @@ Settings (environment):
 * ``SHMSTORE_VLLM_CUDA_REGISTER=auto|1|0``: register the store's heap with CUDA in each
   worker (``cudaHostRegister``), so ``.to("cuda", non_blocking=True)`` from a view is a
   direct DMA instead of a staged copy. ``auto`` (default) registers when a GPU is there.
+* ``SHMSTORE_VLLM_SOURCE_NODE``: with Ray's executor (``--distributed-executor-backend
+  ray``, several nodes), the Ray node id of the front-end's machine (default: Ray's head
+  node, where ``vllm serve`` runs). Workers on other nodes read items from their node's
+  store, which fetches each item once from the front-end's (``shmstore.ray``,
+  docs/multinode.md).
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -64,7 +70,7 @@ from vllm.multimodal.inputs import (
 from vllm.utils.cache import CacheInfo
 
 from . import _native
-from .items import get_item, put_item
+from .items import put_item
 
 logger = logging.getLogger("shmstore.vllm")
 
@@ -271,8 +277,11 @@ def remove_stale_stores(directory: str = "/dev/shm") -> list[str]:
     except OSError:
         return removed
     for name in names:
-        if not name.startswith(_PREFIX) or name == os.environ.get("SHMSTORE_VLLM_STORE"):
-            continue
+        current = os.environ.get("SHMSTORE_VLLM_STORE")
+        if not name.startswith(_PREFIX) or (
+            current and (name == current or name.startswith(f"{current}-node-"))
+        ):
+            continue  # not ours, or this instance's (its store, or a node store of it)
         path = os.path.join(directory, name)
         try:
             s = _native.Store.open(path, prefault=False)
@@ -366,6 +375,9 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         self._last_info = CacheInfo(hits=0, total=0)
         self._warned: set[str] = set()
         self.inline_only = False  # set when workers turn out not to see the store
+        # With Ray's executor, workers on other nodes fetch through shmstore.ray: a miss
+        # there means the item is gone, never that they cannot see a store.
+        self.bridged = _ray_backend(vllm_config)
 
     # -- what vLLM asks ---------------------------------------------------------------
 
@@ -447,7 +459,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
     def invalidate(self, mm_hash: str) -> None:
         # A worker missed the item. If the store still holds it, the worker cannot see
         # the store (it runs on another machine): from now on, items go inline.
-        if self.store.contains(mm_hash) and not self.inline_only:
+        if self.store.contains(mm_hash) and not self.inline_only and not self.bridged:
             self.inline_only = True
             logger.warning(
                 "shmstore: a worker could not read item %s from /dev/shm/%s although the "
@@ -529,7 +541,18 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
     def __init__(self, vllm_config, shared_worker_lock=None, *, timeout: float = 10.0) -> None:
         super().__init__()
         read_only = os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0"
-        self.store = open_store(vllm_config, read_only=read_only)
+        #: With Ray's executor on a node other than the front-end's: this node's stores
+        #: and bridge (shmstore.ray); None otherwise.
+        self.nodes = _remote_node_stores(vllm_config)
+        if self.nodes is not None:
+            remove_stale_stores()  # left on this node by crashed instances
+            self.store = self.nodes.store()
+            logger.info(
+                "shmstore: worker on Ray node %s, not the front-end's (%s): items come "
+                "through this node's store /dev/shm/%s, fetched once per node",
+                self.nodes.this_node()[:12], self.nodes.source()[:12], self.nodes.store_name())
+        else:
+            self.store = open_store(vllm_config, read_only=read_only)
         self.timeout = timeout
         self.cuda_registered = register_with_cuda(self.store)
 
@@ -538,7 +561,16 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
         self, mm_features: list[MultiModalFeatureSpec]
     ) -> list[MultiModalFeatureSpec]:
         # data=None: prefix caching covered the item; there is nothing to read.
-        super().get_and_update_features([f for f in mm_features if f.data is not None])
+        present = [f for f in mm_features if f.data is not None]
+        if self.nodes is not None:
+            from .ray import FetchFailed, ItemsMissing
+
+            keys = [f.mm_hash or f.identifier for f in present if is_marker(f.data)]
+            try:
+                self.nodes.ensure_local(keys)  # one round trip for the whole request
+            except (ItemsMissing, FetchFailed) as e:
+                raise MultiModalCacheMissError([str(k) for k in e.keys]) from None
+        super().get_and_update_features(present)
         return mm_features
 
     @override
@@ -633,19 +665,53 @@ def applies(vllm_config) -> bool:
     if os.environ.get("SHMSTORE_VLLM", "").lower() == "force":
         return True
     pc = vllm_config.parallel_config
-    multi_node = (
-        getattr(pc, "nnodes", 1) > 1
-        or getattr(pc, "data_parallel_size_local", 1) < getattr(pc, "data_parallel_size", 1)
-        or getattr(pc, "distributed_executor_backend", None) == "ray"
-    )
+    if _ray_backend(vllm_config):
+        if importlib.util.find_spec("ray") is not None:
+            _log_once(
+                "ray",
+                "shmstore: Ray executor: workers on other nodes read items through their "
+                "node's store, fetched once per node (shmstore.ray)",
+            )
+            return True
+        _log_once("ray", "shmstore: Ray executor but ray is not importable; using vLLM's own cache")
+        return False
+    multi_node = getattr(pc, "nnodes", 1) > 1 or getattr(
+        pc, "data_parallel_size_local", 1
+    ) < getattr(pc, "data_parallel_size", 1)
     if multi_node:
         _log_once(
             "multinode",
-            "shmstore: workers may run on other machines (nnodes, remote data-parallel "
-            "ranks or Ray); using vLLM's own cache. SHMSTORE_VLLM=force overrides.",
+            "shmstore: workers may run on other machines (nnodes or remote data-parallel "
+            "ranks without Ray); using vLLM's own cache. SHMSTORE_VLLM=force overrides.",
         )
         return False
     return True
+
+
+def _ray_backend(vllm_config) -> bool:
+    pc = getattr(vllm_config, "parallel_config", None)
+    return getattr(pc, "distributed_executor_backend", None) == "ray"
+
+
+def _remote_node_stores(vllm_config):
+    """``shmstore.ray.NodeStores`` for a worker that Ray's executor runs on a node other
+    than the front-end's, else None."""
+    if not _ray_backend(vllm_config) or "ray" not in sys.modules:
+        return None
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from .ray import NodeStores
+
+    capacity = _capacity(vllm_config)
+    nodes = NodeStores(
+        store_name(),
+        capacity,
+        source_node=os.environ.get("SHMSTORE_VLLM_SOURCE_NODE") or None,
+        max_objects=max(1 << 16, capacity >> 16),
+    )
+    return None if nodes.this_node() == nodes.source() else nodes
 
 
 _logged: set[str] = set()

@@ -2,6 +2,7 @@
 CUDA registration skipped cleanly without a GPU."""
 
 import importlib.metadata
+import importlib.util
 import os
 import subprocess
 import sys
@@ -74,7 +75,7 @@ def test_without_the_switch_vllm_keeps_its_own_cache(store_env):
     assert r.stdout.strip().endswith("ShmObjectStoreSenderCache"), r.stderr[-3000:]
 
 
-def test_multi_node_setups_keep_vllms_cache_unless_forced(store_env, monkeypatch):
+def test_multi_node_setups_without_ray_keep_vllms_cache_unless_forced(store_env, monkeypatch):
     c = make_config()
     c.parallel_config.nnodes = 2
     assert not sv.applies(c)
@@ -82,7 +83,11 @@ def test_multi_node_setups_keep_vllms_cache_unless_forced(store_env, monkeypatch
     assert sv.applies(c)
     monkeypatch.setenv("SHMSTORE_VLLM", "1")
     c.parallel_config.nnodes = 1
+    # Ray's executor: workers on other nodes fetch through shmstore.ray, if Ray is there
+    # (python/tests_ray runs them); without Ray, vLLM's own cache.
     c.parallel_config.distributed_executor_backend = "ray"
+    assert sv.applies(c) == (importlib.util.find_spec("ray") is not None)
+    monkeypatch.setattr(sv.importlib.util, "find_spec", lambda name: None)
     assert not sv.applies(c)
 
 

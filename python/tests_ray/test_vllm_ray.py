@@ -1,0 +1,105 @@
+"""shmstore.vllm with vLLM's Ray executor: workers on other nodes read each item through
+their node's store, fetched once per node; a lost item is vLLM's miss path."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import ray
+
+pytest.importorskip("vllm")
+
+from harness import digest, make_config, make_item, setup_process  # noqa: E402
+from shmstore.ray import NodeStores  # noqa: E402
+from vllm_ranks import VllmWorker  # noqa: E402
+
+
+@pytest.fixture
+def vllm_env(cluster, monkeypatch):
+    name = f"shmstore-vllm-raytest-{uuid.uuid4().hex[:8]}"
+    env = {"SHMSTORE_VLLM": "1", "SHMSTORE_VLLM_STORE": name}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    setup_process()
+    yield env
+    for f in os.listdir("/dev/shm"):
+        if f.startswith(name):
+            os.unlink(f"/dev/shm/{f}")
+
+
+def ray_config():
+    config = make_config(cache_mb=64, max_object_mb=16, world_size=4)
+    config.parallel_config.distributed_executor_backend = "ray"
+    return config
+
+
+def workers(config, env, placement: list[str]) -> list:
+    return [
+        VllmWorker.options(resources={node: 1}, runtime_env={"env_vars": env}).remote(config, env)
+        for node in placement
+    ]
+
+
+def send(sender, encoder, hashes: list[str], fresh: set[str]) -> list[tuple[str, list[bytes]]]:
+    """What vLLM's front-end sends for a request: each item through the sender cache,
+    encoded with vLLM's msgpack encoder (for shmstore: a marker, the hash is the key)."""
+    out = []
+    for h in hashes:
+        item, _ = sender.get_and_update_item((make_item(h), []) if h in fresh else None, h)
+        out.append((h, list(encoder.encode(item))))
+    return out
+
+
+def test_workers_on_other_nodes_read_items_fetched_once_per_node(cluster, vllm_env):
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    from shmstore.vllm import ShmstoreSenderCache
+
+    config = ray_config()
+    sender = ShmstoreSenderCache(config)  # the front-end, on the head node
+    encoder = MsgpackEncoder()
+    ws = workers(config, vllm_env, ["node0", "node1", "node1", "node2"])
+    infos = ray.get([w.info.remote() for w in ws])
+    assert [i["bridged"] for i in infos] == [False, True, True, True]
+    assert infos[0]["store"].endswith(vllm_env["SHMSTORE_VLLM_STORE"])
+    assert infos[1]["store"] == infos[2]["store"] != infos[3]["store"]
+
+    hashes = [f"img-{i}" for i in range(4)] + ["video-x"]
+    entries = send(sender, encoder, hashes, set(hashes))
+    for h, bufs in entries:
+        assert sum(len(b) for b in bufs) < 200  # a marker crossed the RPC, not the data
+    want = [digest(make_item(h)) for h in hashes]
+    assert ray.get([w.request.remote(entries) for w in ws]) == [("ok", want)] * 4
+    # Again (vLLM's cache hit): nothing crosses between nodes any more.
+    entries = send(sender, encoder, hashes, set())
+    assert ray.get([w.request.remote(entries) for w in ws]) == [("ok", want)] * 4
+
+    stats = NodeStores(vllm_env["SHMSTORE_VLLM_STORE"], 0).bridge_stats()
+    assert stats[cluster["node1"]]["fetched"] == len(hashes)  # 2 workers, one fetch each
+    assert stats[cluster["node2"]]["fetched"] == len(hashes)
+    assert stats[cluster["node0"]]["served"] == 2 * len(hashes)
+
+
+def test_an_item_the_front_end_lost_is_a_miss_and_the_retry_path_recovers(cluster, vllm_env):
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    from shmstore.vllm import ShmstoreSenderCache
+
+    config = ray_config()
+    sender = ShmstoreSenderCache(config)
+    encoder = MsgpackEncoder()
+    (w,) = workers(config, vllm_env, ["node2"])
+    hashes = ["a", "b", "c"]
+    entries = send(sender, encoder, hashes, set(hashes))
+    for h in ("a", "c"):  # evicted from the front-end's store before the worker asks
+        sender.store.delete(h)
+    assert ray.get(w.request.remote(entries)) == ("miss", ["a", "c"])
+    # vLLM's retry path: the front-end invalidates the hashes and sends the request again.
+    for h in ("a", "c"):
+        sender.invalidate(h)
+    assert not sender.inline_only  # a miss through a bridge is not "cannot see the store"
+    assert sender.is_cached(hashes) == [False, True, False]
+    entries = send(sender, encoder, hashes, {"a", "c"})
+    assert ray.get(w.request.remote(entries)) == ("ok", [digest(make_item(h)) for h in hashes])
