@@ -151,6 +151,20 @@ def _slices_in(v):
     return [_slices_in(x) for x in v]
 
 
+try:  # vLLM depends on msgspec: its JSON encoder is ~15x faster than json.dumps here
+    import msgspec
+
+    _json_encoder = msgspec.json.Encoder()
+
+    def _to_json(obj: Any) -> str:
+        return _json_encoder.encode(obj).decode()
+
+except ImportError:  # pragma: no cover
+
+    def _to_json(obj: Any) -> str:
+        return json.dumps(obj, separators=(",", ":"))
+
+
 def _data_out(x, arrays: dict[str, torch.Tensor]):
     """``x`` as JSON, its tensors moved to ``arrays``. A module-level function, not a
     closure: a recursive closure is a reference cycle, which would keep ``arrays`` (and
@@ -205,8 +219,7 @@ def encode_item(item: MultiModalKwargsItem) -> tuple[dict[str, torch.Tensor], di
     for key, elem in item.items():
         kind, kw = _field_kind(elem.field)
         keys.append({"k": key, "field": [kind, kw], "data": _data_out(elem.data, arrays)})
-    structure = json.dumps({"v": FORMAT, "keys": keys}, separators=(",", ":"))
-    return arrays, {_STRUCTURE: structure}
+    return arrays, {_STRUCTURE: _to_json({"v": FORMAT, "keys": keys})}
 
 
 @functools.lru_cache(maxsize=4096)
