@@ -143,11 +143,10 @@ class NodeStores:
     def bridge(self, node: str | None = None) -> Any:
         """The bridge actor of ``node`` (default: this one), started if it is not running."""
         node = node or self.this_node()
-        # Ray collects a named actor once no handle to it is left (unless detached):
-        # every process keeps the handles it made.
-        # Only the handle that created an actor keeps it alive (one found by name does
-        # not): start each bridge once per process, under a lock (bridges call this
-        # from many threads).
+        # Ray collects an actor that is not detached once the handles its creator made
+        # are gone (one found by name does not count): each process keeps the handles
+        # it made, and starts each bridge once, under a lock (bridges call this from
+        # many threads).
         key = (self.name, node, os.getpid())
         with _handles_lock:
             handle = _handles.get(key)
