@@ -8,6 +8,7 @@
 use super::attachment::Inner;
 use crate::error::{Error, Result};
 use crate::liveness;
+use crate::sync::Ordering;
 use crate::table::SlotRef;
 use crate::ObjectId;
 use std::fmt;
@@ -34,6 +35,8 @@ pub struct Creation {
     pub(super) data: *mut u8,
     pub(super) len: usize,
     pub(super) done: bool,
+    /// Counted in `Inner::large_writes` until dropped.
+    pub(super) large: bool,
     /// The fork generation of the process that created it.
     pub(super) made_in: u64,
 }
@@ -159,6 +162,9 @@ impl Creation {
 impl Drop for Creation {
     fn drop(&mut self) {
         self.do_abort();
+        if self.large {
+            self.inner.large_writes.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 

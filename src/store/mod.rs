@@ -440,6 +440,10 @@ impl Store {
         unsafe { std::ptr::copy_nonoverlapping(meta.as_ptr(), res.meta, meta.len()) };
         // A large block: map its pages for writing in one call, not one fault per page.
         inner.populate(res.data, len, true);
+        let large = len >= attachment::POPULATE_MIN;
+        if large {
+            inner.large_writes.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(Some(Creation {
             inner: Arc::clone(&self.inner),
             id: *id,
@@ -447,6 +451,7 @@ impl Store {
             data: res.data,
             len: len as usize,
             done: false,
+            large,
             made_in: liveness::generation(),
         }))
     }
