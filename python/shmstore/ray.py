@@ -109,6 +109,10 @@ class NodeStores:
     #: Bridges outlive the process that started them (until ``shutdown``); otherwise
     #: each bridge lives as long as its first caller (Ray's owner rule).
     detached: bool = False
+    #: Attach this node's store read-only in this process (readers such as vLLM's
+    #: workers: a write to a tensor over it faults instead of changing the node's copy).
+    #: The node's bridge, which writes fetched items, always attaches read-write.
+    read_only: bool = False
 
     # -- where things are ------------------------------------------------------------
 
@@ -134,10 +138,17 @@ class NodeStores:
     def store(self) -> _native.Store:
         """This node's store, attached once per process (created if this process is
         the node's first)."""
-        key = (self.name, os.getpid())
+        key = (self.name, os.getpid(), self.read_only)
         s = _attached.get(key)
         if s is None:
-            s = _attached[key] = _open_or_create(self.store_name(), self.capacity, self.max_objects)
+            name = self.store_name()
+            if self.read_only:
+                if self.this_node() != self.source():
+                    ray.get(self.bridge().ready.remote())  # the bridge creates the store
+                s = _native.Store.open(name, read_only=True, populate_in_background=True)
+            else:
+                s = _open_or_create(name, self.capacity, self.max_objects)
+            _attached[key] = s
         return s
 
     def bridge(self, node: str | None = None) -> Any:
@@ -271,7 +282,8 @@ class NodeStores:
             handle = self._existing_bridge(node)
             if handle is not None:
                 ray.kill(handle, no_restart=True)
-        _attached.pop((self.name, os.getpid()), None)
+        for key in [k for k in _attached if k[0] == self.name and k[1] == os.getpid()]:
+            del _attached[key]
         for key in [k for k in _handles if k[0] == self.name]:
             del _handles[key]
 
@@ -282,7 +294,7 @@ class NodeStores:
             return None
 
 
-_attached: dict[tuple[str, int], _native.Store] = {}
+_attached: dict[tuple[str, int, bool], _native.Store] = {}
 _handles: dict[tuple[str, str, int], Any] = {}
 _handles_lock = threading.Lock()
 
@@ -337,7 +349,7 @@ class _Bridge:
     its own and returns as soon as the local objects exist."""
 
     def __init__(self, nodes: NodeStores, node: str) -> None:
-        self.nodes = nodes
+        self.nodes = nodes = dataclasses.replace(nodes, read_only=False)  # it writes
         self.node = node
         self.store = nodes.store()
         self.lock = threading.Lock()

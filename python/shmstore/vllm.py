@@ -723,6 +723,7 @@ def _remote_node_stores(vllm_config):
         capacity,
         source_node=os.environ.get("SHMSTORE_VLLM_SOURCE_NODE") or None,
         max_objects=max(1 << 16, capacity >> 16),
+        read_only=os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0",
     )
     return None if nodes.this_node() == nodes.source() else nodes
 

@@ -65,6 +65,9 @@ def test_workers_on_other_nodes_read_items_fetched_once_per_node(cluster, vllm_e
     assert [i["bridged"] for i in infos] == [False, True, True, True]
     assert infos[0]["store"].endswith(vllm_env["SHMSTORE_VLLM_STORE"])
     assert infos[1]["store"] == infos[2]["store"] != infos[3]["store"]
+    # Workers attach read-only on every node (SHMSTORE_VLLM_READ_ONLY's default); the
+    # bridges write.
+    assert [i["read_only"] for i in infos] == [True] * 4
 
     hashes = [f"img-{i}" for i in range(4)] + ["video-x"]
     entries = send(sender, encoder, hashes, set(hashes))

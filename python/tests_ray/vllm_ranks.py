@@ -23,8 +23,15 @@ class VllmWorker:
         self.decoder = MsgpackDecoder(MultiModalKwargsItem)
 
     def info(self) -> dict[str, Any]:
+        import shmstore
+
         nodes = self.receiver.nodes
-        return {"bridged": nodes is not None, "store": self.receiver.store.path}
+        try:
+            self.receiver.store.put("write-probe", b"x")
+            read_only = False
+        except shmstore.ReadOnly:
+            read_only = True
+        return {"bridged": nodes is not None, "store": self.receiver.store.path, "read_only": read_only}
 
     def request(self, entries: list[tuple[str, list[bytes]]]) -> tuple[str, list[Any]]:
         """One request's items (hash, encoded item): ("ok", digests) or ("miss", hashes)."""
