@@ -282,10 +282,10 @@ class NodeStores:
             handle = self._existing_bridge(node)
             if handle is not None:
                 ray.kill(handle, no_restart=True)
-        for key in [k for k in _attached if k[0] == self.name and k[1] == os.getpid()]:
-            del _attached[key]
-        for key in [k for k in _handles if k[0] == self.name]:
-            del _handles[key]
+        for store in [k for k in _attached if k[0] == self.name and k[1] == os.getpid()]:
+            del _attached[store]
+        for handle_key in [k for k in _handles if k[0] == self.name]:
+            del _handles[handle_key]
 
     def _existing_bridge(self, node: str) -> Any:
         try:
