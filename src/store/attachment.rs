@@ -549,7 +549,10 @@ impl Inner {
                 let mut off = 0;
                 while off < inner.sb.heap_size && flag.load(Ordering::Relaxed) == 0 {
                     // Yield to this process's large puts (a put that races this thread
-                    // for memory bandwidth took 1.5-2.6x its warm time at 1 GiB).
+                    // for memory bandwidth took 1.5-2.6x its warm time at 1 GiB). The
+                    // sleep is a poll, not a wait for an event: this thread only warms
+                    // pages ahead of use, so resuming a millisecond late changes no
+                    // result, and the stop flag is still checked every round.
                     if inner.large_writes.load(Ordering::Relaxed) != 0 {
                         std::thread::sleep(std::time::Duration::from_millis(1));
                         continue;
