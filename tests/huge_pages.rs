@@ -17,6 +17,15 @@ use std::time::Duration;
 
 const HUGE: u64 = 2 << 20;
 
+/// The tests share the machine's few huge pages (64 from `scripts/hugepages.sh`) and run
+/// on parallel threads: one that takes most of them on purpose made another fail its
+/// reservation. Each test holds this lock while it uses huge pages.
+static POOL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn pool() -> std::sync::MutexGuard<'static, ()> {
+    POOL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// (free huge pages, their size).
 fn free_huge_pages() -> (u64, u64) {
     HugePages::free_pages().unwrap_or((0, 0))
@@ -111,6 +120,7 @@ fn share_with_child(store: &Store, path: &str, role: &str, seed: u64) {
 
 #[test]
 fn an_anonymous_store_on_huge_pages_works_across_processes() {
+    let _pool = pool();
     const T: &str = "an_anonymous_store_on_huge_pages_works_across_processes";
     if !have_huge_pages(16, T) {
         return;
@@ -125,6 +135,7 @@ fn an_anonymous_store_on_huge_pages_works_across_processes() {
 
 #[test]
 fn a_named_store_in_a_hugetlbfs_directory_works_across_processes() {
+    let _pool = pool();
     const T: &str = "a_named_store_in_a_hugetlbfs_directory_works_across_processes";
     let Some(dir) = hugetlbfs_dir(T) else {
         return;
@@ -157,6 +168,7 @@ fn a_named_store_in_a_hugetlbfs_directory_works_across_processes() {
 
 #[test]
 fn hugetlb_outside_a_hugetlbfs_directory_is_a_config_error() {
+    let _pool = pool();
     let cfg = StoreConfig {
         dir: std::env::temp_dir(),
         ..huge_cfg(4 << 20)
@@ -173,6 +185,7 @@ fn hugetlb_outside_a_hugetlbfs_directory_is_a_config_error() {
 
 #[test]
 fn too_few_free_huge_pages_fail_at_creation_with_the_numbers() {
+    let _pool = pool();
     let (total, free, size) = huge_pages();
     if size != HUGE {
         eprintln!("skipped: the default huge page size is {size} B, not 2 MiB");
