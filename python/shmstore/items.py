@@ -55,23 +55,50 @@ def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
-def _describe(name: str, value) -> tuple[str, str, tuple[int, ...]]:
-    if _is_torch(value):
-        dt = str(value.dtype).removeprefix("torch.")
+_TORCH_NAMES: dict[Any, str] = {}  # torch.dtype -> our dtype name, filled on first use
+
+
+def _torch_names() -> dict[Any, str]:
+    if not _TORCH_NAMES:
+        import torch
+
+        for name in (*_NP_NAMES, "bfloat16"):
+            _TORCH_NAMES[getattr(torch, name)] = name
+    return _TORCH_NAMES
+
+
+def _spec(name: str, value) -> tuple[str, str, tuple[int, ...], Any]:
+    """``(name, dtype, shape, bytes)`` of one array: ``bytes`` is a buffer of its bytes
+    without copying if it is C-contiguous (and on the CPU), else None (then ``put_item``
+    copies it element-wise, strides and all). One pass: this runs for every array of
+    every item (the vLLM plugin's front-end pays it per item)."""
+    if np is not None and type(value) is np.ndarray:
+        dt = value.dtype.name
         if dt not in _NP_NAMES and dt != "bfloat16":
+            raise TypeError(f"array {name!r}: dtype {value.dtype} is not supported in items")
+        return name, dt, value.shape, value if value.flags.c_contiguous else None
+    if _is_torch(value):
+        dt = _torch_names().get(value.dtype)
+        if dt is None:
             raise TypeError(f"array {name!r}: torch dtype {value.dtype} is not supported in items")
-        if value.device.type != "cpu":
+        if not value.is_cpu:
             raise TypeError(f"array {name!r} is on {value.device}: move it to the CPU first")
-        return name, dt, tuple(value.shape)
+        buf = None
+        if value.is_contiguous():
+            t = value.detach() if value.requires_grad else value
+            if dt == "bfloat16":  # numpy has no bfloat16: the same bytes as int16
+                import torch
+
+                t = t.view(torch.int16)
+            buf = t.numpy()
+        return name, dt, tuple(value.shape), buf
     if np is None:
         raise ImportError("put_item needs numpy (pip install numpy)")
-    a = np.asarray(value) if not isinstance(value, np.ndarray) else value
+    a = np.asarray(value)
     dt = a.dtype.name
-    if dt == "bfloat16":
-        pass
-    elif dt not in _NP_NAMES:
+    if dt not in _NP_NAMES and dt != "bfloat16":
         raise TypeError(f"array {name!r}: dtype {a.dtype} is not supported in items")
-    return name, dt, tuple(int(d) for d in a.shape)
+    return name, dt, tuple(int(d) for d in a.shape), a if a.flags.c_contiguous else None
 
 
 def _write(dst_mv: memoryview, offset: int, nbytes: int, dt: str, shape, value) -> None:
@@ -91,23 +118,6 @@ def _write(dst_mv: memoryview, offset: int, nbytes: int, dt: str, shape, value) 
     del dst
 
 
-def _contiguous_bytes(value):
-    """A buffer of the array's bytes without copying, if it is C-contiguous and on the
-    CPU; None otherwise (then ``put_item`` copies it element-wise, strides and all)."""
-    if _is_torch(value):
-        if value.device.type != "cpu" or not value.is_contiguous():
-            return None
-        import torch
-
-        t = value.detach()
-        if t.dtype == torch.bfloat16:  # numpy has no bfloat16: the same bytes as int16
-            t = t.view(torch.int16)
-        return t.numpy()
-    if np is not None and isinstance(value, np.ndarray) and value.flags.c_contiguous:
-        return value
-    return None
-
-
 def put_item(
     store: _native.Store,
     key,
@@ -123,14 +133,12 @@ def put_item(
     With ``timeout``, waits for space when the store is full. Raises ``AlreadyExists`` if
     the key is present (items are immutable; delete first to replace).
     """
-    specs = [_describe(str(k), v) for k, v in arrays.items()]
-    flat = [_contiguous_bytes(v) for v in arrays.values()]
-    if all(b is not None for b in flat):
+    full = [_spec(k if type(k) is str else str(k), v) for k, v in arrays.items()]
+    if all(f[3] is not None for f in full):
         # Every array is C-contiguous: one native call plans, creates, copies and seals.
-        _native.put_item_buffers(
-            store, key, [(*spec, b) for spec, b in zip(specs, flat)], dict(meta or {}), timeout
-        )
+        _native.put_item_buffers(store, key, full, dict(meta) if meta else {}, timeout)
         return
+    specs = [f[:3] for f in full]
     header, placements, total = _native.plan_item(list(specs), dict(meta or {}))
     c = store.create_object(key, total, timeout=timeout)
     try:

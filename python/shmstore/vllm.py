@@ -117,8 +117,10 @@ class Unsupported(ValueError):
 
 
 @functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_layout(cls) -> tuple[str | None, tuple[str, ...]]:
-    """A field class's factory name (vLLM's own table) and the names of its parameters."""
+    """A field class's factory name (vLLM's own table) and the names of its parameters
+    (once per class: the front-end asks for every element of every item)."""
     import dataclasses
 
     from vllm.v1.serial_utils import MMF_CLASS_TO_FACTORY
@@ -170,7 +172,7 @@ def _data_out(x, arrays: dict[str, torch.Tensor]):
     closure: a recursive closure is a reference cycle, which would keep ``arrays`` (and
     on the worker side, the pins of its tensors) alive until the garbage collector runs."""
     if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise Unsupported("device", f"a tensor on {x.device}")
         if x.dtype not in _TORCH_DTYPES:
             raise Unsupported("dtype", f"dtype {x.dtype}")
@@ -448,8 +450,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
                     f"{nbytes / _MiB:.1f} MiB is over --mm-shm-cache-max-object-size-mb="
                     f"{self.max_object_size // _MiB}",
                 )
-            if not self.store.contains(mm_hash):
-                put_item(self.store, mm_hash, arrays, meta)
+            put_item(self.store, mm_hash, arrays, meta)
         except Unsupported as e:
             self._warn_once(e.reason, f"shmstore: an item goes inline ({e}); said once per reason")
             return mm_item
