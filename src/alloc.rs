@@ -5,10 +5,11 @@
 //! another (see docs/design.md, "Allocator"):
 //!
 //! * **Page runs.** The heap is cut into 4 KiB pages with one bit each in the page bitmap.
-//!   An allocation of `n` pages finds a run of `n` clear bits (next-fit from a shared
-//!   cursor) and claims it word by word, in ascending order, with CAS. If a word turns out to
-//!   be taken, the words already claimed are rolled back and the search moves past the
-//!   conflict. Freeing clears the bits, so neighbouring free runs coalesce by construction:
+//!   An allocation of `n` pages finds a run of `n` clear bits (best fit from 1 MiB, where
+//!   classes' empty current slabs count as free and give way; first fit from a low-water
+//!   mark below) and claims it word by word, in ascending order, with CAS. If a word turns
+//!   out to be taken, the words already claimed are rolled back and the search moves past
+//!   the conflict. Freeing clears the bits, so neighbouring free runs coalesce by construction:
 //!   there is no free list to fragment and no merge step to race.
 //! * **Slabs.** Requests up to 16 KiB use one of 32 size classes (64 B steps to 1 KiB, then
 //!   four classes per doubling). A slab is a 64 KiB-aligned run of 16 pages dedicated to one
@@ -186,6 +187,54 @@ pub(crate) struct Allocator<'a> {
     /// `CLASSES` hint slots (current slab + 1 per class), then the first-fit low-water
     /// mark, then the claims-begun and claims-ended counters.
     hints: &'a [Padded<AtomicU64>],
+}
+
+/// An empty slab kept as its class's current slab.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+struct IdleSlab {
+    slab: usize,
+    class: usize,
+}
+
+impl IdleSlab {
+    fn first_page(&self) -> u64 {
+        self.slab as u64 * PAGES_PER_SLAB
+    }
+
+    /// The page-bitmap word holding the slab's 16 pages (a slab never straddles words).
+    fn word(&self) -> usize {
+        self.slab * PAGES_PER_SLAB as usize / 64
+    }
+
+    /// The slab's pages within [`word`](Self::word).
+    fn mask(&self) -> u64 {
+        let first = self.slab as u64 * PAGES_PER_SLAB % 64;
+        range_mask(first, first + PAGES_PER_SLAB)
+    }
+}
+
+/// At most one idle slab per class, without allocating.
+#[derive(Default)]
+struct IdleSlabs {
+    slabs: [IdleSlab; CLASSES as usize],
+    len: usize,
+}
+
+impl IdleSlabs {
+    fn push(&mut self, slab: IdleSlab) {
+        if self.len < self.slabs.len() {
+            self.slabs[self.len] = slab;
+            self.len += 1;
+        }
+    }
+
+    fn sort(&mut self) {
+        self.slabs[..self.len].sort_unstable();
+    }
+
+    fn as_slice(&self) -> &[IdleSlab] {
+        &self.slabs[..self.len]
+    }
 }
 
 fn corrupted(what: impl Into<String>) -> Error {
@@ -440,7 +489,17 @@ impl<'a> Allocator<'a> {
             for _ in 0..4 {
                 // From the low-water mark (below it everything is taken), then from page
                 // 0 (the mark can be stale).
-                let p = self.best_run(n, hint).or_else(|| self.best_run(n, 0))?;
+                // Empty slabs kept as their class's current slab count as free space
+                // here, and give way to the run: left in place, they would split the
+                // free space into holes no large object fits once they are retired.
+                let idle = self.idle_slabs();
+                let idle = idle.as_slice();
+                // (The low-water mark counts them as taken: search from the lowest.)
+                let from = idle.first().map_or(hint, |x| hint.min(x.first_page()));
+                let p = self
+                    .best_run(n, from, idle)
+                    .or_else(|| self.best_run(n, 0, idle))?;
+                self.retire_idle_within(p, n, idle);
                 if self.claim_run(p, n).is_ok() {
                     return Some(p);
                 }
@@ -487,8 +546,10 @@ impl<'a> Allocator<'a> {
     /// among the runs that start within [`FIT_WINDOW`] pages of the first one that fits
     /// (lowest address on ties). One pass over the page bitmap, one load per word; a
     /// word that is all free or all taken costs a compare.
-    fn best_run(&self, n: u64, from: u64) -> Option<u64> {
+    fn best_run(&self, n: u64, from: u64, idle: &[IdleSlab]) -> Option<u64> {
         let words = self.npages.div_ceil(64) as usize;
+        // The next idle slab at or after word `w` (they are sorted by address).
+        let mut next_idle = 0;
         let mut stop = words;
         let mut best: Option<(u64, u64)> = None;
         let mut start: Option<u64> = None;
@@ -510,11 +571,17 @@ impl<'a> Allocator<'a> {
         // Words entirely inside the heap, for the fast paths below.
         let whole = (self.npages / 64) as usize;
         while w < stop {
+            while next_idle < idle.len() && idle[next_idle].word() < w {
+                next_idle += 1;
+            }
             // Inside a free run, or between runs: skip 8 words at a time while they are
             // all free (resp. all taken): most of a large heap is one or the other.
             if w as u64 != from / 64 {
                 let inside = start.is_some();
-                let skip_to = stop.min(whole);
+                // Skip no word that holds an idle slab: its bits read taken but are not.
+                let skip_to = stop
+                    .min(whole)
+                    .min(idle.get(next_idle).map_or(usize::MAX, IdleSlab::word));
                 while w + 8 <= skip_to {
                     let eight = &self.pages[w..w + 8];
                     let all = if inside {
@@ -530,9 +597,15 @@ impl<'a> Allocator<'a> {
                 if w >= stop {
                     break;
                 }
+                while next_idle < idle.len() && idle[next_idle].word() < w {
+                    next_idle += 1;
+                }
             }
             let base = w as u64 * 64;
             let mut used = self.pages[w].load(Ordering::Relaxed);
+            for slab in idle.iter().skip(next_idle).take_while(|x| x.word() == w) {
+                used &= !slab.mask();
+            }
             if base + 64 > self.npages {
                 used |= !range_mask(0, self.npages - base); // past the heap: taken
             }
@@ -700,26 +773,58 @@ impl<'a> Allocator<'a> {
         None
     }
 
-    /// Retires every class's current slab that holds no block, so its pages can join a
-    /// larger run. Called when an allocation fails. Returns whether anything was freed.
-    fn flush_idle_slabs(&self) -> bool {
-        let mut freed = false;
+    /// The classes' current slabs that hold no block right now, by address (a snapshot:
+    /// any of them may be used again, or retired, at once).
+    fn idle_slabs(&self) -> IdleSlabs {
+        let mut out = IdleSlabs::default();
         for class in 0..CLASSES as usize {
             let h = self.hint(class).load(Ordering::Acquire);
             if h == 0 || h > self.slabs.len() as u64 {
                 continue;
             }
             let s = (h - 1) as usize;
-            let tag = (class as u64 + 1) << 16;
-            if self.slabs[s].state.load(Ordering::Acquire) != tag {
-                continue;
+            if self.slabs[s].state.load(Ordering::Acquire) == (class as u64 + 1) << 16 {
+                out.push(IdleSlab { slab: s, class });
             }
-            // Drop the hint first so that a concurrent free does not keep the slab alive,
-            // then retire it if it is still empty.
-            let _ = self
-                .hint(class)
-                .compare_exchange(h, 0, Ordering::AcqRel, Ordering::Relaxed);
-            freed |= self.try_retire(s, class);
+        }
+        out.sort();
+        out
+    }
+
+    /// Retires `slab` if it is still `class`'s current slab and still empty. Returns
+    /// whether it did.
+    fn retire_idle(&self, slab: IdleSlab) -> bool {
+        let IdleSlab { slab: s, class } = slab;
+        let h = s as u64 + 1;
+        if self.hint(class).load(Ordering::Acquire) != h
+            || self.slabs[s].state.load(Ordering::Acquire) != (class as u64 + 1) << 16
+        {
+            return false;
+        }
+        // Drop the hint first so that a concurrent free does not keep the slab alive,
+        // then retire it if it is still empty.
+        let _ = self
+            .hint(class)
+            .compare_exchange(h, 0, Ordering::AcqRel, Ordering::Relaxed);
+        self.try_retire(s, class)
+    }
+
+    /// Retires the idle slabs among `idle` that lie within pages `[first, first + n)`.
+    fn retire_idle_within(&self, first: u64, n: u64, idle: &[IdleSlab]) {
+        for &slab in idle {
+            let p = slab.first_page();
+            if p < first + n && first < p + PAGES_PER_SLAB {
+                self.retire_idle(slab);
+            }
+        }
+    }
+
+    /// Retires every class's current slab that holds no block, so its pages can join a
+    /// larger run. Called when an allocation fails. Returns whether anything was freed.
+    fn flush_idle_slabs(&self) -> bool {
+        let mut freed = false;
+        for &slab in self.idle_slabs().as_slice() {
+            freed |= self.retire_idle(slab);
         }
         freed
     }
@@ -840,21 +945,12 @@ impl<'a> Allocator<'a> {
     fn usage_with(&self, slabs_too: bool) -> Usage {
         // Empty slabs kept as a class's current slab are returned by any allocation that
         // needs their pages (`flush_idle_slabs`), so they count as free runs here.
-        let mut idle: Vec<(usize, u64)> = Vec::new();
-        for class in 0..CLASSES as usize {
-            let h = self.hint(class).load(Ordering::Relaxed);
-            if h == 0 || h > self.slabs.len() as u64 {
-                continue;
-            }
-            let s = (h - 1) as usize;
-            if self.slabs[s].state.load(Ordering::Relaxed) == (class as u64 + 1) << 16 {
-                let first = s as u64 * PAGES_PER_SLAB;
-                idle.push((
-                    (first / 64) as usize,
-                    range_mask(first % 64, first % 64 + PAGES_PER_SLAB),
-                ));
-            }
-        }
+        let idle = self.idle_slabs();
+        let idle: Vec<(usize, u64)> = idle
+            .as_slice()
+            .iter()
+            .map(|x| (x.word(), x.mask()))
+            .collect();
         let mut page_bits = 0u64;
         let mut largest = 0u64;
         let mut run = 0u64;
@@ -1197,6 +1293,33 @@ mod tests {
         };
         assert!(a.free(forged).is_err());
         a.free(keep).unwrap();
+        a.audit().unwrap();
+    }
+
+    #[test]
+    fn large_runs_take_the_place_of_idle_slabs() {
+        // Small objects of four classes, spread over the bottom of the heap between
+        // 1 MiB runs, then freed: each class keeps its (now empty) current slab there.
+        let h = HeapAllocator::new(32 << 20);
+        let a = h.get();
+        let mut small = Vec::new();
+        let mut spacers = Vec::new();
+        for size in [64, 1024, 4096, 16384] {
+            small.push(a.alloc(size).unwrap());
+            spacers.push(a.alloc(1 << 20).unwrap());
+        }
+        small.drain(..).for_each(|b| a.free(b).unwrap());
+        spacers.drain(..).for_each(|b| a.free(b).unwrap());
+        assert_eq!(a.usage().slabs, 4, "the current slabs stay while empty");
+        // Fill with 2 MiB runs: the idle slabs give way instead of splitting the heap
+        // into holes no run fits, so all 16 fit (without that, 15).
+        let runs: Vec<_> = (0..16)
+            .map(|_| a.alloc(2 << 20))
+            .collect::<Result<_>>()
+            .unwrap();
+        assert_eq!(a.usage().slabs, 0);
+        assert_eq!(a.usage().free, 0);
+        runs.into_iter().for_each(|b| a.free(b).unwrap());
         a.audit().unwrap();
     }
 
