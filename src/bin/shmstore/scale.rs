@@ -325,15 +325,7 @@ fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), Str
         let t = Instant::now();
         store.put(&id, &object).map_err(err)?;
         let warm_put = r.fig(keys[4], t.elapsed().as_secs_f64() * 1e3);
-        // A fresh process: open (as vLLM's workers do), first and second read of 64 MiB.
-        let mut w = Worker::spawn(
-            "fresh-attach",
-            &[path.display().to_string(), id.to_string()],
-        )
-        .map_err(err)?;
-        let v = w.recv_numbers()?;
-        w.finish();
-        let (open_ms, first_read, warm_read) = (v[0], v[1], v[2]);
+        let (open_ms, first_read, warm_read) = fresh_attach_reads(&path, &id)?;
         r.fig(keys[2], open_ms);
         r.fig(keys[5], first_read);
         r.row(
@@ -370,6 +362,22 @@ fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), Str
         drop(store);
     }
     Ok(())
+}
+
+/// A fresh process opens the store at `path` (as vLLM's workers do) and reads object `id`
+/// twice: (open, first read, second read), in ms.
+fn fresh_attach_reads(path: &Path, id: &ObjectId) -> Result<(f64, f64, f64), String> {
+    let mut w = Worker::spawn(
+        "fresh-attach",
+        &[path.display().to_string(), id.to_string()],
+    )
+    .map_err(err)?;
+    let v = w.recv_numbers()?;
+    w.finish();
+    match v[..] {
+        [open, first, second, ..] => Ok((open, first, second)),
+        _ => Err(format!("fresh-attach reported {v:?}, expected 3 numbers")),
+    }
 }
 
 // ---- 3. page tables -----------------------------------------------------------------------
@@ -466,14 +474,7 @@ fn first_read_on_huge_pages(
     store
         .put(&id, &vec![0x5au8; 64 * MIB as usize])
         .map_err(err)?;
-    let mut w = Worker::spawn(
-        "fresh-attach",
-        &[path.display().to_string(), id.to_string()],
-    )
-    .map_err(err)?;
-    let v = w.recv_numbers()?;
-    w.finish();
-    let (first_read, warm_read) = (v[1], v[2]);
+    let (_, first_read, warm_read) = fresh_attach_reads(&path, &id)?;
     r.fig("first_read_huge_ms", first_read);
     r.row(
         "first 64 MiB read, fresh attach, 2 MiB huge pages",
