@@ -133,7 +133,9 @@ def put_item(
     With ``timeout``, waits for space when the store is full. Raises ``AlreadyExists`` if
     the key is present (items are immutable; delete first to replace).
     """
-    full = [_spec(k if type(k) is str else str(k), v) for k, v in arrays.items()]
+    full: list[tuple[str, str, Any, Any]] = [
+        _spec(k if type(k) is str else str(k), v) for k, v in arrays.items()
+    ]
     if all(f[3] is not None for f in full):
         # Every array is C-contiguous: one native call plans, creates, copies and seals.
         _native.put_item_buffers(store, key, full, dict(meta) if meta else {}, timeout)
