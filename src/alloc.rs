@@ -544,9 +544,12 @@ impl<'a> Allocator<'a> {
 
     /// The start of the smallest free run of at least `n` pages at or after page `from`,
     /// among the runs that start within [`FIT_WINDOW`] pages of the first one that fits
-    /// (lowest address on ties). One pass over the page bitmap, one load per word; a
-    /// word that is all free or all taken costs a compare.
+    /// (lowest address on ties). One pass over the page bitmap, one load per word and a
+    /// few instructions: `n` is at least 127 pages, so a run that fits holds a whole free
+    /// word, and a word with taken pages can only end a run (its free low pages) or start
+    /// one (its free high pages); the runs inside it are too short to matter.
     fn best_run(&self, n: u64, from: u64, idle: &[IdleSlab]) -> Option<u64> {
+        debug_assert!(n >= 127, "best fit serves runs of BEST_FIT_PAGES or more");
         let words = self.npages.div_ceil(64) as usize;
         // The next idle slab at or after word `w` (they are sorted by address).
         let mut next_idle = 0;
@@ -567,82 +570,75 @@ impl<'a> Allocator<'a> {
             }
             len == n
         };
-        let mut w = (from / 64) as usize;
+        let first = (from / 64) as usize;
+        let mut w = first;
         // Words entirely inside the heap, for the fast paths below.
         let whole = (self.npages / 64) as usize;
         while w < stop {
             while next_idle < idle.len() && idle[next_idle].word() < w {
                 next_idle += 1;
             }
-            // Inside a free run, or between runs: skip 8 words at a time while they are
-            // all free (resp. all taken): most of a large heap is one or the other.
-            if w as u64 != from / 64 {
-                let inside = start.is_some();
-                // Skip no word that holds an idle slab: its bits read taken but are not.
-                let skip_to = stop
-                    .min(whole)
-                    .min(idle.get(next_idle).map_or(usize::MAX, IdleSlab::word));
-                while w + 8 <= skip_to {
-                    let eight = &self.pages[w..w + 8];
-                    let all = if inside {
-                        eight.iter().all(|x| x.load(Ordering::Relaxed) == 0)
-                    } else {
-                        eight.iter().all(|x| x.load(Ordering::Relaxed) == u64::MAX)
-                    };
-                    if !all {
-                        break;
-                    }
-                    w += 8;
-                }
-                if w >= stop {
-                    break;
-                }
-                while next_idle < idle.len() && idle[next_idle].word() < w {
-                    next_idle += 1;
-                }
-            }
             let base = w as u64 * 64;
             let mut used = self.pages[w].load(Ordering::Relaxed);
-            for slab in idle.iter().skip(next_idle).take_while(|x| x.word() == w) {
+            for slab in idle[next_idle..].iter().take_while(|x| x.word() == w) {
                 used &= !slab.mask();
             }
-            if base + 64 > self.npages {
+            if w >= whole {
                 used |= !range_mask(0, self.npages - base); // past the heap: taken
             }
-            if w as u64 == from / 64 {
+            if w == first {
                 used |= range_mask(0, from % 64); // before `from`: not ours to search
             }
-            if used == 0 {
-                start.get_or_insert(base);
-            } else if used == u64::MAX {
+            if used != 0 {
+                // The word's free low pages end the run in progress; its free high pages
+                // start the next one.
                 if let Some(s) = start.take() {
-                    if consider(s, base, &mut stop) {
+                    if consider(s, base + used.trailing_zeros() as u64, &mut stop) {
                         break;
                     }
                 }
+                let high_free = used.leading_zeros() as u64;
+                if high_free > 0 {
+                    start = Some(base + 64 - high_free);
+                }
             } else {
-                // Alternate runs of free and taken bits within the word.
-                let mut b = 0u32;
-                while b < 64 {
-                    let rest = used >> b;
-                    if rest & 1 == 0 {
-                        start.get_or_insert(base + b as u64);
-                        b += if rest == 0 {
-                            64 - b
-                        } else {
-                            rest.trailing_zeros()
-                        };
-                    } else {
-                        if let Some(s) = start.take() {
-                            if consider(s, base + b as u64, &mut stop) {
-                                return best.map(|(f, _)| f);
-                            }
-                        }
-                        b += (!rest).trailing_zeros().min(64 - b);
+                start.get_or_insert(base);
+            }
+            w += 1;
+            // Inside a free run, or between runs: skip the words that follow 8 at a time
+            // while they are all free (resp. all taken): most of a large heap is one or
+            // the other. A word that holds an idle slab is never skipped: its bits read
+            // taken but are not.
+            let skippable = used == 0 || used == u64::MAX;
+            if skippable || start.is_none() {
+                let idle_word = idle[next_idle..]
+                    .iter()
+                    .map(IdleSlab::word)
+                    .find(|&x| x >= w)
+                    .unwrap_or(usize::MAX);
+                let bound = stop.min(whole).min(idle_word);
+                if skippable {
+                    while w + 8 <= bound
+                        && self.pages[w..w + 8]
+                            .iter()
+                            .all(|x| x.load(Ordering::Relaxed) == used)
+                    {
+                        w += 8;
+                    }
+                } else {
+                    // Between runs, among words that each hold a taken page (a heap cut
+                    // into small holes): a run that starts and ends in such words is at
+                    // most 126 pages, too short. Skip 7 of every 8 of them; the 8th may
+                    // start a run with its free high pages.
+                    while w + 8 <= bound
+                        && self.pages[w..w + 8]
+                            .iter()
+                            .all(|x| x.load(Ordering::Relaxed) != 0)
+                    {
+                        w += 7;
                     }
                 }
             }
-            w += 1;
         }
         if let Some(s) = start {
             consider(s, (w as u64 * 64).min(self.npages), &mut stop);
@@ -1294,6 +1290,110 @@ mod tests {
         assert!(a.free(forged).is_err());
         a.free(keep).unwrap();
         a.audit().unwrap();
+    }
+
+    /// The rule `best_run` implements, page by page: scan from `from`; the first run of
+    /// at least `n` pages ends the window at its start + `FIT_WINDOW`, rounded up to a
+    /// whole word (a run still open there is cut there); the smallest run of at least `n`
+    /// wins, the lowest on ties, and the first exact fit ends the search.
+    fn best_run_page_by_page(free: &[bool], n: u64, from: u64) -> Option<u64> {
+        let npages = free.len() as u64;
+        let mut stop = npages;
+        let mut best: Option<(u64, u64)> = None;
+        let mut start = None;
+        let mut p = from;
+        while p < stop {
+            if free[p as usize] {
+                start.get_or_insert(p);
+            } else if let Some(s) = start.take() {
+                if p - s >= n {
+                    if best.is_none() {
+                        stop = ((s + FIT_WINDOW).div_ceil(64) * 64).min(npages);
+                    }
+                    if best.is_none_or(|(_, l)| p - s < l) {
+                        best = Some((s, p - s));
+                    }
+                    if p - s == n {
+                        return Some(s);
+                    }
+                }
+            }
+            p += 1;
+        }
+        if let Some(s) = start {
+            let e = stop.min(npages);
+            if e - s >= n && best.is_none_or(|(_, l)| e - s < l) {
+                best = Some((s, e - s));
+            }
+        }
+        best.map(|(s, _)| s)
+    }
+
+    #[test]
+    fn best_fit_finds_the_run_a_page_by_page_scan_finds() {
+        // A heap of 2 GiB and a bit (the window is 1 GiB, the last word partial), with
+        // random free and taken runs from 1 page to 100 000, and idle slabs among them.
+        let npages = (1u64 << 19) + 37;
+        let mut h = HeapAllocator::new(npages / PAGES_PER_SLAB * SLAB);
+        h.npages = npages;
+        h.pages = (0..npages.div_ceil(64))
+            .map(|_| AtomicU64::new(0))
+            .collect();
+        let a = h.get();
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |m: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % m
+        };
+        for round in 0..12 {
+            for w in a.pages {
+                w.store(0, Ordering::Relaxed);
+            }
+            let mut free = vec![true; npages as usize];
+            let mut p = 0;
+            let mut taken = round % 2 == 0;
+            while p < npages {
+                let len = match next(100) {
+                    0..=59 => 1 + next(100),
+                    60..=94 => 100 + next(2000),
+                    95..=98 => 2000 + next(20_000),
+                    _ => 20_000 + next(100_000),
+                };
+                let end = (p + len).min(npages);
+                if taken {
+                    for q in p..end {
+                        free[q as usize] = false;
+                        a.pages[(q / 64) as usize].fetch_or(1 << (q % 64), Ordering::Relaxed);
+                    }
+                }
+                taken = !taken;
+                p = end;
+            }
+            // Some wholly taken slab units count as idle (free for best fit).
+            let mut idle = IdleSlabs::default();
+            for _ in 0..8 {
+                let s = next(npages / PAGES_PER_SLAB) as usize;
+                let unit = s as u64 * PAGES_PER_SLAB..(s as u64 + 1) * PAGES_PER_SLAB;
+                if unit.clone().all(|q| !free[q as usize])
+                    && !idle.as_slice().iter().any(|x| x.slab == s)
+                {
+                    idle.push(IdleSlab { slab: s, class: 0 });
+                    unit.for_each(|q| free[q as usize] = true);
+                }
+            }
+            idle.sort();
+            for n in [127, 256, 257, 300, 1000, 4096, 70_000] {
+                for from in [0, next(npages), next(npages / 4)] {
+                    assert_eq!(
+                        a.best_run(n, from, idle.as_slice()),
+                        best_run_page_by_page(&free, n, from),
+                        "round {round}, n {n}, from {from}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
