@@ -71,8 +71,8 @@ const FULL_RETRIES: u32 = if cfg!(loom) { 4 } else { 64 };
 /// the smallest free run that holds them among the runs that start within
 /// [`FIT_WINDOW`] pages of the first run that does, searched from the low-water mark.
 /// Large holes stay whole for large objects (measured against TLSF in `shmstore bench`,
-/// docs/benchmarks.md); the search reads at most one bitmap word per 256 KiB of the
-/// window (4096 words, a few microseconds), beside copying at least 1 MiB.
+/// docs/benchmarks.md); the search reads one bitmap word per 256 KiB from the mark to
+/// the end of the window, most of them eight at a time.
 const BEST_FIT_PAGES: u64 = 256;
 /// The best-fit window: 1 GiB of heap (the whole heap of a store up to 1 GiB).
 const FIT_WINDOW: u64 = 1 << 18;
@@ -448,9 +448,11 @@ impl<'a> Allocator<'a> {
     /// Finds and claims `n` pages whose first index is a multiple of `align`.
     ///
     /// Runs of [`BEST_FIT_PAGES`] or more use best fit (the smallest free run that holds
-    /// them, lowest address on ties): a full bitmap scan, cheap beside copying 4 MiB,
-    /// and it keeps the large runs whole. Smaller runs use address-ordered first fit from
-    /// the low-water hint, which reuses recently freed (cache-warm) memory first.
+    /// them, lowest address on ties): a pass over the page bitmap from the low-water
+    /// mark, cheap beside copying 1 MiB (see [`best_run`](Self::best_run)), and it keeps
+    /// the large runs whole. Smaller runs use address-ordered first fit from the
+    /// low-water mark, which reuses recently freed (cache-warm) memory first. Both raise
+    /// the mark past the taken pages below the run they claim.
     ///
     /// A searcher cannot tell a page another process has claimed for good from one it
     /// holds for a moment in a claim that is about to roll back, so a search can come up
@@ -496,11 +498,27 @@ impl<'a> Allocator<'a> {
                 let idle = idle.as_slice();
                 // (The low-water mark counts them as taken: search from the lowest.)
                 let from = idle.first().map_or(hint, |x| hint.min(x.first_page()));
-                let p = self
-                    .best_run(n, from, idle)
-                    .or_else(|| self.best_run(n, 0, idle))?;
+                let (p, above_mark) = match self.best_run(n, from, idle) {
+                    Some(p) => (p, p >= hint),
+                    None => (self.best_run(n, 0, idle)?, false),
+                };
                 self.retire_idle_within(p, n, idle);
                 if self.claim_run(p, n).is_ok() {
+                    if above_mark {
+                        // Raise the low-water mark past the pages below the run that are
+                        // taken, as first fit does: a store filled with large objects is
+                        // then searched from where its free space begins, not from its
+                        // first page (one word per 256 KiB below the run, once).
+                        let mark = self.next_free(hint, p).unwrap_or(p + n);
+                        if mark > hint {
+                            let _ = hint_word.compare_exchange(
+                                hint,
+                                mark,
+                                Ordering::Relaxed,
+                                Ordering::Relaxed,
+                            );
+                        }
+                    }
                     return Some(p);
                 }
             }
@@ -1405,6 +1423,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn best_fit_raises_the_low_water_mark_as_it_fills() {
+        let h = HeapAllocator::new(64 << 20);
+        let a = h.get();
+        let runs: Vec<_> = (0..40).map(|_| a.alloc(1 << 20).unwrap()).collect();
+        // Packed from the bottom: the mark is where the free space begins.
+        assert_eq!(runs[39].offset, 39 << 20);
+        assert_eq!(a.cursor().load(Ordering::Relaxed), 40 << 8);
+        // A free below it lowers it; the run that fills the hole raises it past itself.
+        a.free(runs[10]).unwrap();
+        assert_eq!(a.cursor().load(Ordering::Relaxed), 10 << 8);
+        let again = a.alloc(1 << 20).unwrap();
+        assert_eq!(again.offset, 10 << 20);
+        assert_eq!(a.cursor().load(Ordering::Relaxed), 11 << 8);
+        // With a hole below that the run does not fill, the mark stops at the hole.
+        a.free(runs[20]).unwrap();
+        let big = a.alloc(2 << 20).unwrap();
+        assert_eq!(big.offset, 40 << 20);
+        assert_eq!(a.cursor().load(Ordering::Relaxed), 20 << 8);
+        a.audit().unwrap();
     }
 
     #[test]

@@ -6,8 +6,9 @@
 //!    table (what one lookup in a table that size cannot beat);
 //! 2. create and open at 1, 4 and 16 GiB (each skipped, with a message, when /dev/shm
 //!    cannot hold it), beside `posix_fallocate` of a file of the same size in /dev/shm;
-//!    the first 64 MiB put into the new store beside a warm one, and the first 64 MiB read
-//!    by a freshly attached process beside its second read;
+//!    the first 64 MiB put into the new store beside a warm one, the first 64 MiB read
+//!    by a freshly attached process beside its second read, and a 1 MiB allocation with
+//!    the heap full below its top beside a copy of the 1 MiB;
 //! 3. page-table memory per attached process with the whole store mapped, with 4 KiB
 //!    pages and (where the kernel has them free) 2 MiB huge pages, beside 8 bytes per page;
 //!    with a 2 MiB hugetlbfs mounted, the first 64 MiB read of a fresh attach on huge pages.
@@ -229,7 +230,7 @@ fn fallocate_floor(dir: &Path, size: u64) -> Result<Duration, String> {
 fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
     let dir = PathBuf::from("/dev/shm");
     let pid = std::process::id();
-    let sizes: &[(u64, &str, [&'static str; 6])] = &[
+    let sizes: &[(u64, &str, [&'static str; 7])] = &[
         (
             GIB,
             "1 GiB",
@@ -240,6 +241,7 @@ fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), Str
                 "first_put_1g_ms",
                 "warm_put_1g_ms",
                 "first_read_1g_ms",
+                "alloc_full_below_1g_ns",
             ],
         ),
         (
@@ -252,6 +254,7 @@ fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), Str
                 "first_put_4g_ms",
                 "warm_put_4g_ms",
                 "first_read_4g_ms",
+                "alloc_full_below_4g_ns",
             ],
         ),
         (
@@ -264,6 +267,7 @@ fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), Str
                 "first_put_16g_ms",
                 "warm_put_16g_ms",
                 "first_read_16g_ms",
+                "alloc_full_below_16g_ns",
             ],
         ),
     ];
@@ -359,8 +363,56 @@ fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), Str
             ratio(first_read, warm_read),
             "<= 1.5x warm",
         );
+        alloc_full_below(&store, label, keys[6], r)?;
         drop(store);
     }
+    Ok(())
+}
+
+/// Allocating 1 MiB in a store whose heap is full below its top 64 MiB (filled with
+/// 64 MiB blocks): best fit searches from where the free space begins, so this costs the
+/// same at any capacity. Beside a copy of the 1 MiB, which is what it is allocated for.
+fn alloc_full_below(
+    store: &Store,
+    label: &str,
+    key: &'static str,
+    r: &mut Report,
+) -> Result<(), String> {
+    let cap = store.stats().capacity;
+    let mut blocks = Vec::new();
+    // (Raw blocks are not objects: `used` does not count them.)
+    let mut taken = store.stats().used;
+    while taken + 128 * MIB <= cap {
+        match store.raw_alloc(64 * MIB) {
+            Ok(b) => blocks.push(b),
+            Err(_) => break,
+        }
+        taken += 64 * MIB;
+    }
+    let (src, mut dst) = (vec![1u8; MIB as usize], vec![0u8; MIB as usize]);
+    let (mut ours, mut copy) = (Vec::new(), Vec::new());
+    for _ in 0..1000 {
+        let t = Instant::now();
+        let b = store.raw_alloc(MIB).map_err(err)?;
+        store.raw_free(b).map_err(err)?;
+        ours.push(t.elapsed().as_nanos() as u64);
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        copy.push(t.elapsed().as_nanos() as u64);
+    }
+    for b in blocks {
+        store.raw_free(b).map_err(err)?;
+    }
+    let o = r.fig(key, percentile(&mut ours, 50.0) as f64);
+    let c = percentile(&mut copy, 50.0) as f64;
+    r.row(
+        format!("alloc + free 1 MiB, store full below its top ({label}), p50"),
+        ns(o),
+        format!("memcpy of the 1 MiB {}", ns(c)),
+        ratio(o, c),
+        "-",
+    );
     Ok(())
 }
 
