@@ -508,7 +508,10 @@ impl<'a> Allocator<'a> {
                         // Raise the low-water mark past the pages below the run that are
                         // taken, as first fit does: a store filled with large objects is
                         // then searched from where its free space begins, not from its
-                        // first page (one word per 256 KiB below the run, once).
+                        // first page (one word per 256 KiB below the run, once). As there,
+                        // a free racing with this may leave the mark too high, which costs
+                        // fit quality (the search from page 0 still finds every run),
+                        // never memory.
                         let mark = self.next_free(hint, p).unwrap_or(p + n);
                         if mark > hint {
                             let _ = hint_word.compare_exchange(
