@@ -566,27 +566,13 @@ fn alloc_in_holes(store: &Store, reps: usize, r: &mut Report) -> Result<(), Stri
             .raw_free(b.take().expect("every other run"))
             .map_err(err)?;
     }
-    let (src, mut dst) = (vec![1u8; 1 << 20], vec![0u8; 1 << 20]);
-    let (mut ours, mut copy) = (Vec::new(), Vec::new());
-    for _ in 0..reps.min(2000) {
-        let t = Instant::now();
-        let b = store.raw_alloc(1 << 20).map_err(err)?;
-        store.raw_free(b).map_err(err)?;
-        ours.push(t.elapsed().as_nanos() as u64);
-        let t = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
-        copy.push(t.elapsed().as_nanos() as u64);
-    }
+    let (o, c) = alloc_beside_copy(store, reps.min(2000))?;
     for b in runs.into_iter().flatten() {
         store.raw_free(b).map_err(err)?;
     }
     let (o, c) = (
-        r.fig(
-            "alloc_free_large_in_holes_p50_ns",
-            percentile(&mut ours, 50.0) as f64,
-        ),
-        r.fig("memcpy_1m_p50_ns", percentile(&mut copy, 50.0) as f64),
+        r.fig("alloc_free_large_in_holes_p50_ns", o),
+        r.fig("memcpy_1m_p50_ns", c),
     );
     r.row(
         "alloc + free 1 MiB, heap in 64 KiB holes, p50",
@@ -596,6 +582,27 @@ fn alloc_in_holes(store: &Store, reps: usize, r: &mut Report) -> Result<(), Stri
         "-",
     );
     Ok(())
+}
+
+/// p50 of `reps` allocations + frees of 1 MiB, and of copying 1 MiB (warm buffers), in
+/// turns, in ns.
+pub(crate) fn alloc_beside_copy(store: &Store, reps: usize) -> Result<(f64, f64), String> {
+    let (src, mut dst) = (vec![1u8; 1 << 20], vec![0u8; 1 << 20]);
+    let (mut ours, mut copy) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let t = Instant::now();
+        let b = store.raw_alloc(1 << 20).map_err(err)?;
+        store.raw_free(b).map_err(err)?;
+        ours.push(t.elapsed().as_nanos() as u64);
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        copy.push(t.elapsed().as_nanos() as u64);
+    }
+    Ok((
+        percentile(&mut ours, 50.0) as f64,
+        percentile(&mut copy, 50.0) as f64,
+    ))
 }
 
 /// Fragmentation against a reference allocator (see `frag`), then: after everything is

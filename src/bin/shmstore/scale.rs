@@ -389,23 +389,11 @@ fn alloc_full_below(
         }
         taken += 64 * MIB;
     }
-    let (src, mut dst) = (vec![1u8; MIB as usize], vec![0u8; MIB as usize]);
-    let (mut ours, mut copy) = (Vec::new(), Vec::new());
-    for _ in 0..1000 {
-        let t = Instant::now();
-        let b = store.raw_alloc(MIB).map_err(err)?;
-        store.raw_free(b).map_err(err)?;
-        ours.push(t.elapsed().as_nanos() as u64);
-        let t = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
-        copy.push(t.elapsed().as_nanos() as u64);
-    }
+    let (o, c) = crate::bench::alloc_beside_copy(store, 1000)?;
     for b in blocks {
         store.raw_free(b).map_err(err)?;
     }
-    let o = r.fig(key, percentile(&mut ours, 50.0) as f64);
-    let c = percentile(&mut copy, 50.0) as f64;
+    let o = r.fig(key, o);
     r.row(
         format!("alloc + free 1 MiB, store full below its top ({label}), p50"),
         ns(o),
