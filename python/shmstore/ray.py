@@ -43,6 +43,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
@@ -60,6 +61,8 @@ NAMESPACE = "shmstore"
 #: Items up to this size travel in the source bridge's reply (Ray inlines replies up to
 #: 100 KiB); larger ones as an object in Ray's object store, pulled by the fetching node.
 INLINE_BYTES = 96 << 10
+#: How long ``NodeStores.prefetch`` trusts its list of running bridges, in seconds.
+BRIDGE_LIST_TTL = 5.0
 _HEAD_RESOURCE = "node:__internal_head__"
 
 
@@ -207,13 +210,15 @@ class NodeStores:
     def ensure_local(self, keys: Iterable[str | bytes], *, source: str | None = None) -> None:
         """Brings ``keys`` into this node's store, fetching the ones it lacks from the
         ``source`` node (default: ``source()``) in one round trip. Returns once each one
-        is sealed here or being written here (a ``get`` then waits for its seal). Raises
+        is sealed here or being written here (a ``get`` then waits for its seal; one
+        being written already, by a prefetch or another rank's fetch, costs no call).
+        Raises
         ``ItemsMissing`` with every key the source lacks. A no-op on the source node."""
         source = source or self.source()
         if self.this_node() == source:
             return
         store = self.store()
-        need = [k for k in keys if not store.contains(k)]
+        need = [k for k in keys if not _here(store, k)]
         if not need:
             return
         missing, failed, why = self._call(self.this_node(), "fetch", need, source)
@@ -257,14 +262,78 @@ class NodeStores:
                     raise ItemsMissing([key], source) from None
         raise AssertionError("unreachable")
 
+    # -- prefetching ---------------------------------------------------------------------
+
+    def prefetch(
+        self,
+        keys: Iterable[str | bytes],
+        *,
+        to: Iterable[str] | None = None,
+        source: str | None = None,
+    ) -> list[Any]:
+        """Starts bringing ``keys`` into the stores of other nodes now, before their ranks
+        ask: each target node's bridge fetches them from ``source`` (default:
+        ``source()``) as on a miss, one call per node for all the keys. Returns at once,
+        with one Ray ref per call; waiting on them is optional (each resolves once that
+        node's objects exist there, as ``ensure_local`` does).
+
+        ``to`` lists the target node ids (their bridges are started if need be);
+        default: every node whose bridge of this store is running, that is every node
+        where a process has read through this store (a vLLM worker starts its node's
+        bridge when it starts), found through Ray's named-actor list at most every
+        ``BRIDGE_LIST_TTL`` seconds. The source node is never a target.
+
+        A rank that asks while its node's prefetch is on the way waits for the same
+        object's seal (or joins the bridge's fetch in flight): still one fetch per node.
+        Errors (a bridge dying, items the source lacks) are not raised here; the ranks'
+        own reads report them as usual.
+
+        >>> refs = nodes.prefetch([mm_hash])   # doctest: +SKIP
+        """
+        source = source or self.source()
+        keys = list(dict.fromkeys(keys))
+        _reap_prefetches()
+        if not keys:
+            return []
+        if to is None:
+            targets = {n: h for n, h in self._running_bridges().items() if n != source}
+        else:
+            targets = {n: self.bridge(n) for n in dict.fromkeys(to) if n != source}
+        refs = [h.prefetch.remote(keys, source) for h in targets.values()]
+        with _handles_lock:
+            _prefetches.extend((self.name, r) for r in refs)
+        return refs
+
+    def _running_bridges(self) -> dict[str, Any]:
+        """Node id -> handle of every running bridge of this store, from Ray's list of
+        named actors (one call to Ray's control store), kept ``BRIDGE_LIST_TTL`` s."""
+        now = time.monotonic()
+        key = (self.name, os.getpid())
+        with _handles_lock:
+            cached = _bridge_lists.get(key)
+        if cached is not None and now - cached[0] < BRIDGE_LIST_TTL:
+            return cached[1]
+        prefix = f"shmstore-bridge:{self.name}:"
+        found = {}
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["namespace"] == NAMESPACE and a["name"].startswith(prefix):
+                node = a["name"][len(prefix):]
+                with _handles_lock:
+                    handle = _handles.get((self.name, node, os.getpid()))
+                found[node] = handle or ray.get_actor(a["name"], namespace=NAMESPACE)
+        with _handles_lock:
+            _bridge_lists[key] = (now, found)
+        return found
+
     # -- observing and stopping ----------------------------------------------------------
 
     def bridge_stats(self) -> dict[str, dict[str, int]]:
-        """Each running bridge's counters, by node id: ``fetch_calls`` (begun) and
-        ``fetches_done``; ``fetched`` items and ``fetched_bytes`` (what crossed to this
-        node); ``served`` and ``served_bytes`` (what left it); ``missing`` (keys its
-        source lacked); ``transfer_errors``; ``unsealed`` (objects it created whose bytes
-        are on the way now); ``pid``. A restarted bridge counts from zero."""
+        """Each running bridge's counters, by node id: ``fetch_calls`` (ranks' asks,
+        begun), ``prefetch_calls`` (``prefetch``'s) and ``fetches_done`` (both);
+        ``fetched`` items and ``fetched_bytes`` (what crossed to this node); ``served``
+        and ``served_bytes`` (what left it); ``missing`` (keys its source lacked);
+        ``transfer_errors``; ``unsealed`` (objects it created whose bytes are on the way
+        now); ``pid``. A restarted bridge counts from zero."""
         out = {}
         for node in _alive_nodes():
             handle = self._existing_bridge(node)
@@ -286,6 +355,7 @@ class NodeStores:
             del _attached[store]
         for handle_key in [k for k in _handles if k[0] == self.name]:
             del _handles[handle_key]
+        _bridge_lists.pop((self.name, os.getpid()), None)
 
     def _existing_bridge(self, node: str) -> Any:
         try:
@@ -297,6 +367,45 @@ class NodeStores:
 _attached: dict[tuple[str, int, bool], _native.Store] = {}
 _handles: dict[tuple[str, str, int], Any] = {}
 _handles_lock = threading.Lock()
+#: (store name, pid) -> (when listed, node id -> bridge handle): ``_running_bridges``.
+_bridge_lists: dict[tuple[str, int], tuple[float, dict[str, Any]]] = {}
+#: Prefetch calls not yet seen to finish: (store name, ref).
+_prefetches: list[tuple[str, Any]] = []
+
+
+def _reap_prefetches() -> None:
+    """Collects the answers of finished prefetch calls (so that Ray does not report
+    them as unhandled errors), and forgets the bridge list of a store one of whose
+    bridges died (the next prefetch lists them again)."""
+    with _handles_lock:
+        pending = _prefetches[:]
+    if not pending:
+        return
+    done, _ = ray.wait([r for _, r in pending], num_returns=len(pending), timeout=0)
+    finished = set(done)
+    for name, ref in pending:
+        if ref not in finished:
+            continue
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayError as e:
+            logger.debug("shmstore: a prefetch failed: %s", e)
+            with _handles_lock:
+                _bridge_lists.pop((name, os.getpid()), None)
+    with _handles_lock:
+        _prefetches[:] = [p for p in _prefetches if p[1] not in finished]
+
+
+def _here(store: _native.Store, key: str | bytes) -> bool:
+    """Is ``key`` sealed in ``store``, or being written there by a live process (a
+    prefetch or another rank's fetch; a read then waits for its seal)?"""
+    try:
+        store.get(key, 0.0, wait_if_absent=False)
+    except _native.Timeout:
+        return True  # created, not sealed yet
+    except (_native.NotFound, _native.CreatorDied):
+        return False  # absent, or its writer died: fetch (again)
+    return True
 
 
 def _open_or_create(name: str, capacity: int, max_objects: int) -> _native.Store:
@@ -355,7 +464,7 @@ class _Bridge:
         self.lock = threading.Lock()
         self.inflight: dict[str | bytes, _Inflight] = {}
         self.counts = {
-            "fetch_calls": 0, "fetched": 0, "fetched_bytes": 0, "served": 0,
+            "fetch_calls": 0, "prefetch_calls": 0, "fetched": 0, "fetched_bytes": 0, "served": 0,
             "served_bytes": 0, "missing": 0, "transfer_errors": 0, "fetches_done": 0,
         }
         self.unsealed = 0  # objects created here whose bytes are on the way
@@ -399,10 +508,21 @@ class _Bridge:
         each one exists here (sealed, or being written by this bridge): ``(missing at
         the source, not storable here, why)``. A key another call is fetching already
         is waited for, not fetched again."""
+        return self._fetch(keys, source, "fetch_calls", wait_for_others=True)
+
+    def prefetch(self, keys: Sequence[str | bytes], source: str) -> tuple[list, list, str]:
+        """``fetch`` asked for ahead of the ranks (``NodeStores.prefetch``): the same
+        work, counted apart (``prefetch_calls``; a rank's own asks stay ``fetch_calls``),
+        and it does not wait for keys another call is fetching already."""
+        return self._fetch(keys, source, "prefetch_calls", wait_for_others=False)
+
+    def _fetch(
+        self, keys: Sequence[str | bytes], source: str, counter: str, *, wait_for_others: bool
+    ) -> tuple[list, list, str]:
         mine: list[tuple[str | bytes, _Inflight]] = []
         theirs: list[tuple[str | bytes, _Inflight]] = []
         with self.lock:
-            self.counts["fetch_calls"] += 1
+            self.counts[counter] += 1
             for k in dict.fromkeys(keys):
                 f = self.inflight.get(k)
                 if f is None:
@@ -448,7 +568,7 @@ class _Bridge:
                     f.created.set()
         if jobs:
             threading.Thread(target=self._transfer, args=(jobs,), daemon=True).start()
-        for k, f in theirs:
+        for k, f in theirs if wait_for_others else ():
             f.created.wait(self.nodes.timeout)
             if f.error == "missing":
                 missing.append(k)

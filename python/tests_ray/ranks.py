@@ -4,6 +4,7 @@ their PYTHONPATH)."""
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,17 @@ import ray
 
 import shmstore
 from shmstore.ray import NodeStores
+
+
+def wait_until(what, cond, timeout: float = 30.0):
+    """Polls ``cond()`` (a state another process reaches) until it is truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def digest(item: dict[str, Any]) -> str:

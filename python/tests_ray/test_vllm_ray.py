@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 
 from harness import digest, make_config, make_item, setup_process  # noqa: E402
 from shmstore.ray import NodeStores  # noqa: E402
+from ranks import wait_until  # noqa: E402
 from vllm_ranks import VllmWorker  # noqa: E402
 
 
@@ -106,3 +107,58 @@ def test_an_item_the_front_end_lost_is_a_miss_and_the_retry_path_recovers(cluste
     assert sender.is_cached(hashes) == [False, True, False]
     entries = send(sender, encoder, hashes, {"a", "c"})
     assert ray.get(w.request.remote(entries)) == ("ok", [digest(make_item(h)) for h in hashes])
+
+
+def engine_features(decoder, entries: list[tuple[str, list[bytes]]]) -> list:
+    """A request's ``mm_features`` as vLLM's engine core receives them."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return [
+        MultiModalFeatureSpec(
+            data=decoder.decode(bufs), modality="image", identifier=h,
+            mm_position=PlaceholderRange(offset=0, length=1), mm_hash=h,
+        )
+        for h, bufs in entries
+    ]
+
+
+def test_the_engine_core_prefetches_items_so_remote_workers_need_not_ask(cluster, vllm_env):
+    from vllm.multimodal.cache import factories
+    from vllm.multimodal.inputs import MultiModalKwargsItem
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    import shmstore.vllm as sv
+
+    sv.register()
+    config = ray_config()
+    sender = sv.ShmstoreSenderCache(config)
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(MultiModalKwargsItem)
+    # This process is the engine core: Ray's executor started Ray here, on 3 nodes.
+    engine = factories.engine_receiver_cache_from_config(config)
+    assert isinstance(engine, sv.ShmstorePrefetcher)
+    ws = workers(config, vllm_env, ["node0", "node1", "node1", "node2"])
+    ray.get([w.info.remote() for w in ws])  # started: node1's and node2's bridges run
+
+    hashes = [f"img-{i}" for i in range(3)] + ["video-x"]
+    features = engine_features(decoder, send(sender, encoder, hashes, set(hashes)))
+    markers = [f.data for f in features]
+    # The engine core passes the request on unchanged, markers and all.
+    assert engine.get_and_update_features(features) is features
+    assert [f.data for f in features] == markers and all(sv.is_marker(m) for m in markers)
+    nodes = NodeStores(vllm_env["SHMSTORE_VLLM_STORE"], 0)
+    remote = (cluster["node1"], cluster["node2"])
+    wait_until("both remote nodes holding every item", lambda: all(
+        (s := nodes.bridge_stats()[n])["fetched"] == len(hashes) and s["unsealed"] == 0 for n in remote
+    ))
+
+    entries = send(sender, encoder, hashes, set())  # what the workers get when scheduled
+    want = [digest(make_item(h)) for h in hashes]
+    assert ray.get([w.request.remote(entries) for w in ws]) == [("ok", want)] * 4
+    stats = nodes.bridge_stats()
+    for n in remote:
+        s = stats[n]
+        # One prefetch call per node for the whole request; the workers asked nothing.
+        assert (s["prefetch_calls"], s["fetch_calls"], s["fetched"]) == (1, 0, len(hashes)), s
+    # The front-end's cache hit sends the same markers again: no second prefetch.
+    engine.get_and_update_features(engine_features(decoder, entries))
+    assert all(nodes.bridge_stats()[n]["prefetch_calls"] == 1 for n in remote)
