@@ -314,12 +314,16 @@ class NodeStores:
         if cached is not None and now - cached[0] < BRIDGE_LIST_TTL:
             return cached[1]
         prefix = f"shmstore-bridge:{self.name}:"
+        known = cached[1] if cached is not None else {}
         found = {}
         for a in ray.util.list_named_actors(all_namespaces=True):
             if a["namespace"] == NAMESPACE and a["name"].startswith(prefix):
                 node = a["name"][len(prefix):]
                 with _handles_lock:
-                    handle = _handles.get((self.name, node, os.getpid()))
+                    handle = _handles.get((self.name, node, os.getpid())) or known.get(node)
+                # A handle looked up once is kept while the bridge stays listed (a
+                # restarted bridge keeps its actor id; one that died for good is
+                # dropped from the list with its handle by ``_reap_prefetches``).
                 found[node] = handle or ray.get_actor(a["name"], namespace=NAMESPACE)
         with _handles_lock:
             _bridge_lists[key] = (now, found)
