@@ -24,6 +24,14 @@ asks meanwhile blocks on its seal (the store's futex) and does not fetch again. 
 crosses to each node once, however many ranks the node runs, and each rank maps it
 zero-copy.
 
+Prefetch: ``nodes.prefetch(keys)`` starts that fetch on every node where the store is in
+use (its bridge runs) before any rank asks; vLLM's engine core does it for each request's
+new items as the request arrives, so that the workers' first reads, a step later, are
+hits::
+
+    shmstore.put_item(nodes.store(), mm_hash, {"pixel_values": pixels})
+    nodes.prefetch([mm_hash])       # returns at once; ranks ask for mm_hash later
+
 Failures:
 
 * the source no longer holds the item: the get raises ``ItemsMissing`` naming every
@@ -212,8 +220,8 @@ class NodeStores:
         ``source`` node (default: ``source()``) in one round trip. Returns once each one
         is sealed here or being written here (a ``get`` then waits for its seal; one
         being written already, by a prefetch or another rank's fetch, costs no call).
-        Raises
-        ``ItemsMissing`` with every key the source lacks. A no-op on the source node."""
+        Raises ``ItemsMissing`` with every key the source lacks. A no-op on the source
+        node."""
         source = source or self.source()
         if self.this_node() == source:
             return
