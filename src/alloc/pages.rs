@@ -1,0 +1,385 @@
+//! Page runs: the lower layer of the allocator.
+//!
+//! The heap is cut into 4 KiB pages with one bit each in the page bitmap. An allocation
+//! of `n` pages finds a run of `n` clear bits and claims it word by word, in ascending
+//! order, with CAS. If a word turns out to be taken, the words already claimed are rolled
+//! back and the search moves past the conflict. Freeing clears the bits, so neighbouring
+//! free runs coalesce by construction: there is no free list to fragment and no merge
+//! step to race.
+//!
+//! Placement: runs under 1 MiB go first fit from a low-water mark (a hint: the lowest
+//! page that may be free); runs of 1 MiB and more go best fit within a 1 GiB window,
+//! where classes' empty current slabs count as free and give way (retired just before
+//! the run is claimed).
+//!
+//! Invariants: a set bit is a page some block owns (a page run, or a slab's pages); a
+//! claimer owns exactly the bits its CASes set, and gives back exactly those on rollback
+//! or free. The low-water mark is only a hint: frees lower it, a claim raises it past the
+//! taken pages below its run, and a free racing with that may leave it too high, which
+//! costs fit quality (every search also runs from page 0 before giving up), never memory.
+//! Claims in flight are counted (begun, ended), so that a search that found no room can
+//! tell a full heap from one where other processes' claims were moving under it.
+
+use super::slab::IdleSlab;
+use super::*;
+
+impl Allocator<'_> {
+    pub(super) fn cursor(&self) -> &AtomicU64 {
+        &self.hints[CLASSES as usize].0
+    }
+
+    /// Page-run claims begun (see [`alloc_pages`](Self::alloc_pages)).
+    pub(super) fn claims_begun(&self) -> &AtomicU64 {
+        &self.hints[CLASSES as usize + 1].0
+    }
+
+    /// Page-run claims ended, by success or rollback.
+    pub(super) fn claims_ended(&self) -> &AtomicU64 {
+        &self.hints[CLASSES as usize + 2].0
+    }
+
+    /// Index of the first clear page bit in `[p, end)`.
+    pub(super) fn next_free(&self, mut p: u64, end: u64) -> Option<u64> {
+        while p < end {
+            let w = (p / 64) as usize;
+            let bits = !self.pages[w].load(Ordering::Relaxed) & range_mask(p % 64, 64);
+            if bits != 0 {
+                let q = (w as u64) * 64 + bits.trailing_zeros() as u64;
+                return (q < end).then_some(q);
+            }
+            p = (w as u64 + 1) * 64;
+        }
+        None
+    }
+
+    /// Index of the first set page bit in `[p, end)`.
+    pub(super) fn next_used(&self, mut p: u64, end: u64) -> Option<u64> {
+        while p < end {
+            let w = (p / 64) as usize;
+            let hi = (end - (w as u64) * 64).min(64);
+            let bits = self.pages[w].load(Ordering::Relaxed) & range_mask(p % 64, hi);
+            if bits != 0 {
+                return Some((w as u64) * 64 + bits.trailing_zeros() as u64);
+            }
+            p = (w as u64 + 1) * 64;
+        }
+        None
+    }
+
+    /// Claims `[first, first + n)` word by word in ascending order. On conflict, rolls back
+    /// and returns the page index that was found taken. Counted in the claims-begun /
+    /// claims-ended counters, so that a searcher can tell whether bits it skipped may
+    /// have been a claim in flight.
+    pub(super) fn claim_run(&self, first: u64, n: u64) -> std::result::Result<(), u64> {
+        self.claims_begun().fetch_add(1, Ordering::AcqRel);
+        let r = self.claim_run_uncounted(first, n);
+        self.claims_ended().fetch_add(1, Ordering::AcqRel);
+        r
+    }
+
+    pub(super) fn claim_run_uncounted(&self, first: u64, n: u64) -> std::result::Result<(), u64> {
+        let end = first + n;
+        let mut p = first;
+        while p < end {
+            let w = (p / 64) as usize;
+            let hi = (end - (w as u64) * 64).min(64);
+            let mask = range_mask(p % 64, hi);
+            let mut cur = self.pages[w].load(Ordering::Relaxed);
+            loop {
+                if cur & mask != 0 {
+                    let taken = (w as u64) * 64 + (cur & mask).trailing_zeros() as u64;
+                    if !crate::sync::mutation("no_rollback") {
+                        self.release_range(first, p);
+                    }
+                    return Err(taken);
+                }
+                match self.pages[w].compare_exchange_weak(
+                    cur,
+                    cur | mask,
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => break,
+                    Err(now) => cur = now,
+                }
+            }
+            p = (w as u64 + 1) * 64;
+        }
+        Ok(())
+    }
+
+    /// Clears bits `[first, end)` that this thread set (rollback of a partial claim).
+    pub(super) fn release_range(&self, first: u64, end: u64) {
+        let mut p = first;
+        while p < end {
+            let w = (p / 64) as usize;
+            let hi = (end - (w as u64) * 64).min(64);
+            self.pages[w].fetch_and(!range_mask(p % 64, hi), PAGE_FREE);
+            p = (w as u64 + 1) * 64;
+        }
+    }
+
+    /// Finds and claims `n` pages whose first index is a multiple of `align`.
+    ///
+    /// Runs of [`BEST_FIT_PAGES`] or more use best fit (the smallest free run that holds
+    /// them, lowest address on ties): a pass over the page bitmap from the low-water
+    /// mark, cheap beside copying 1 MiB (see [`best_run`](Self::best_run)), and it keeps
+    /// the large runs whole. Smaller runs use address-ordered first fit from the
+    /// low-water mark, which reuses recently freed (cache-warm) memory first. Both raise
+    /// the mark past the taken pages below the run they claim.
+    ///
+    /// A searcher cannot tell a page another process has claimed for good from one it
+    /// holds for a moment in a claim that is about to roll back, so a search can come up
+    /// empty while space exists. `None` ("full") is therefore only returned after a
+    /// search during which no page-run claim began, ended or was in flight (at most
+    /// [`FULL_RETRIES`] searches; a claimer killed mid-claim leaves its claim "in flight"
+    /// for good, which costs later full searches their retries, nothing else).
+    pub(super) fn alloc_pages(&self, n: u64, align: u64) -> Option<u64> {
+        if n == 0 || n > self.npages {
+            return None;
+        }
+        for _ in 0..FULL_RETRIES {
+            let ended_before = self.claims_ended().load(Ordering::Acquire);
+            if let Some(p) = self.search_and_claim(n, align) {
+                return Some(p);
+            }
+            // Every bit this search read was loaded before these counters (a claim whose
+            // bits we saw had counted itself as begun first: its CAS released that).
+            fence(Ordering::Acquire);
+            let begun = self.claims_begun().load(Ordering::Acquire);
+            let ended = self.claims_ended().load(Ordering::Acquire);
+            let quiet = begun == ended && ended == ended_before;
+            if quiet || crate::sync::mutation("full_without_retry") {
+                return None;
+            }
+            crate::sync::spin_hint();
+        }
+        None
+    }
+
+    /// One search of [`alloc_pages`](Self::alloc_pages).
+    pub(super) fn search_and_claim(&self, n: u64, align: u64) -> Option<u64> {
+        let hint_word = self.cursor();
+        let hint = hint_word.load(Ordering::Relaxed).min(self.npages);
+        if n >= BEST_FIT_PAGES && align == 1 {
+            for _ in 0..4 {
+                // From the low-water mark (below it everything is taken), then from page
+                // 0 (the mark can be stale).
+                // Empty slabs kept as their class's current slab count as free space
+                // here, and give way to the run: left in place, they would split the
+                // free space into holes no large object fits once they are retired.
+                let idle = self.idle_slabs();
+                let idle = idle.as_slice();
+                // (The low-water mark counts them as taken: search from the lowest.)
+                let from = idle.first().map_or(hint, |x| hint.min(x.first_page()));
+                let (p, above_mark) = match self.best_run(n, from, idle) {
+                    Some(p) => (p, p >= hint),
+                    None => (self.best_run(n, 0, idle)?, false),
+                };
+                self.retire_idle_within(p, n, idle);
+                if self.claim_run(p, n).is_ok() {
+                    if above_mark {
+                        // Raise the low-water mark past the pages below the run that are
+                        // taken, as first fit does: a store filled with large objects is
+                        // then searched from where its free space begins, not from its
+                        // first page (one word per 256 KiB below the run, once). As there,
+                        // a free racing with this may leave the mark too high, which costs
+                        // fit quality (the search from page 0 still finds every run),
+                        // never memory.
+                        let mark = self.next_free(hint, p).unwrap_or(p + n);
+                        if mark > hint {
+                            let _ = hint_word.compare_exchange(
+                                hint,
+                                mark,
+                                Ordering::Relaxed,
+                                Ordering::Relaxed,
+                            );
+                        }
+                    }
+                    return Some(p);
+                }
+            }
+        }
+        // First fit from the hint, then (the hint may be stale) from page 0.
+        for (pass, lo) in [(0, hint), (1, 0)] {
+            let mut p = lo;
+            let mut first_free = None;
+            while let Some(f) = self.next_free(p, self.npages) {
+                first_free.get_or_insert(f);
+                let cand = f.div_ceil(align) * align;
+                if cand + n > self.npages {
+                    break;
+                }
+                if let Some(u) = self.next_used(cand, cand + n) {
+                    p = u + 1;
+                    continue;
+                }
+                match self.claim_run(cand, n) {
+                    Ok(()) => {
+                        if let (0, Some(f0)) = (pass, first_free) {
+                            // Raise the low-water mark past pages that were taken. A free
+                            // racing with this may leave it too high: that costs fit quality
+                            // (pass 1 still finds everything), never memory.
+                            let f0 = if f0 == cand { cand + n } else { f0 };
+                            let _ = hint_word.compare_exchange(
+                                hint,
+                                f0,
+                                Ordering::Relaxed,
+                                Ordering::Relaxed,
+                            );
+                        }
+                        return Some(cand);
+                    }
+                    Err(taken) => p = taken + 1,
+                }
+            }
+        }
+        None
+    }
+
+    /// The start of the smallest free run of at least `n` pages at or after page `from`,
+    /// among the runs that start within [`FIT_WINDOW`] pages of the first one that fits
+    /// (lowest address on ties). One pass over the page bitmap, one load per word and a
+    /// few instructions: `n` is at least 127 pages, so a run that fits holds a whole free
+    /// word, and a word with taken pages can only end a run (its free low pages) or start
+    /// one (its free high pages); the runs inside it are too short to matter.
+    pub(super) fn best_run(&self, n: u64, from: u64, idle: &[IdleSlab]) -> Option<u64> {
+        debug_assert!(n >= 127, "best fit serves runs of BEST_FIT_PAGES or more");
+        let words = self.npages.div_ceil(64) as usize;
+        // The next idle slab at or after word `w` (they are sorted by address).
+        let mut next_idle = 0;
+        let mut stop = words;
+        let mut best: Option<(u64, u64)> = None;
+        let mut start: Option<u64> = None;
+        // A free run `[s, e)` ended: keep it if it fits better. True on an exact fit.
+        let mut consider = |s: u64, e: u64, stop: &mut usize| {
+            let len = e - s;
+            if len < n {
+                return false;
+            }
+            if best.is_none() {
+                *stop = (s.saturating_add(FIT_WINDOW).div_ceil(64) as usize).min(words);
+            }
+            if best.is_none_or(|(_, l)| len < l) {
+                best = Some((s, len));
+            }
+            len == n
+        };
+        let first = (from / 64) as usize;
+        let mut w = first;
+        // Words entirely inside the heap, for the fast paths below.
+        let whole = (self.npages / 64) as usize;
+        while w < stop {
+            while next_idle < idle.len() && idle[next_idle].word() < w {
+                next_idle += 1;
+            }
+            let base = w as u64 * 64;
+            let mut used = self.pages[w].load(Ordering::Relaxed);
+            for slab in idle[next_idle..].iter().take_while(|x| x.word() == w) {
+                used &= !slab.mask();
+            }
+            if w >= whole {
+                used |= !range_mask(0, self.npages - base); // past the heap: taken
+            }
+            if w == first {
+                used |= range_mask(0, from % 64); // before `from`: not ours to search
+            }
+            if used != 0 {
+                // The word's free low pages end the run in progress; its free high pages
+                // start the next one.
+                if let Some(s) = start.take() {
+                    if consider(s, base + used.trailing_zeros() as u64, &mut stop) {
+                        break;
+                    }
+                }
+                let high_free = used.leading_zeros() as u64;
+                if high_free > 0 {
+                    start = Some(base + 64 - high_free);
+                }
+            } else {
+                start.get_or_insert(base);
+            }
+            w += 1;
+            // Inside a free run, or between runs: skip the words that follow 8 at a time
+            // while they are all free (resp. all taken): most of a large heap is one or
+            // the other. A word that holds an idle slab is never skipped: its bits read
+            // taken but are not.
+            let skippable = used == 0 || used == u64::MAX;
+            if skippable || start.is_none() {
+                let idle_word = idle[next_idle..]
+                    .iter()
+                    .map(IdleSlab::word)
+                    .find(|&x| x >= w)
+                    .unwrap_or(usize::MAX);
+                let bound = stop.min(whole).min(idle_word);
+                if skippable {
+                    while w + 8 <= bound
+                        && self.pages[w..w + 8]
+                            .iter()
+                            .all(|x| x.load(Ordering::Relaxed) == used)
+                    {
+                        w += 8;
+                    }
+                } else {
+                    // Between runs, among words that each hold a taken page (a heap cut
+                    // into small holes): a run that starts and ends in such words is at
+                    // most 126 pages, too short. Skip 7 of every 8 of them; the 8th may
+                    // start a run with its free high pages.
+                    while w + 8 <= bound
+                        && self.pages[w..w + 8]
+                            .iter()
+                            .all(|x| x.load(Ordering::Relaxed) != 0)
+                    {
+                        w += 7;
+                    }
+                }
+            }
+        }
+        if let Some(s) = start {
+            consider(s, (w as u64 * 64).min(self.npages), &mut stop);
+        }
+        best.map(|(f, _)| f)
+    }
+
+    /// Lowers the first-fit low-water mark to `page`.
+    pub(super) fn lower_hint(&self, page: u64) {
+        let h = self.cursor();
+        let mut cur = h.load(Ordering::Relaxed);
+        while page < cur {
+            match h.compare_exchange_weak(cur, page, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => break,
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    pub(super) fn free_pages(&self, first: u64, n: u64) -> Result<()> {
+        // Check first so that a bad free changes nothing.
+        let end = first + n;
+        let mut p = first;
+        while p < end {
+            let w = (p / 64) as usize;
+            let hi = (end - (w as u64) * 64).min(64);
+            let mask = range_mask(p % 64, hi);
+            if self.pages[w].load(Ordering::Relaxed) & mask != mask {
+                return Err(corrupted(format!(
+                    "freeing pages {first}..{end} that are not all allocated"
+                )));
+            }
+            p = (w as u64 + 1) * 64;
+        }
+        self.release_range(first, end);
+        self.lower_hint(first);
+        Ok(())
+    }
+
+    // ----- slabs -----------------------------------------------------------------------
+
+    /// Frees pages `[first, first + n)` that the leak sweep proved belong to no one.
+    pub(crate) fn free_leaked_pages(&self, first: u64, n: u64) -> Result<()> {
+        if first.checked_add(n).is_none_or(|end| end > self.npages) || n == 0 {
+            return Err(corrupted(format!("leaked run {first}+{n} out of bounds")));
+        }
+        self.free_pages(first, n)
+    }
+}

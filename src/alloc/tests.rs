@@ -1,0 +1,379 @@
+//! Unit tests of the allocator: classes and alignment, placement (best fit against a
+//! page-by-page reference scan, the low-water mark, idle slabs giving way), rejected
+//! frees, coalescing, and threads allocating at once with audits after. The concurrent
+//! protocols are model-checked in `loom_models`.
+
+use super::slab::{IdleSlab, IdleSlabs};
+use super::testing::HeapAllocator;
+use super::*;
+
+#[test]
+fn classes_are_sorted_and_aligned() {
+    assert!(CLASS_SIZES.windows(2).all(|w| w[0] < w[1]));
+    assert!(CLASS_SIZES.iter().all(|c| c % 64 == 0));
+    // Every size natively; under miri, the sizes at and around each class boundary.
+    let sizes: Vec<u64> = if cfg!(miri) {
+        let edges = CLASS_SIZES.iter().flat_map(|&c| [c - 1, c, c + 1]);
+        edges.filter(|&s| (1..=MAX_SMALL).contains(&s)).collect()
+    } else {
+        (1..=MAX_SMALL).collect()
+    };
+    for size in sizes {
+        let c = class_of(size).unwrap();
+        assert!(CLASS_SIZES[c] >= size);
+        assert!(c == 0 || CLASS_SIZES[c - 1] < size);
+    }
+    assert_eq!(class_of(MAX_SMALL + 1), None);
+}
+
+#[test]
+fn small_and_large_blocks_are_aligned_and_disjoint() {
+    let h = HeapAllocator::new(4 << 20);
+    let a = h.get();
+    let mut blocks = Vec::new();
+    for size in [1, 64, 65, 1000, 4096, 16384, 16385, 100_000, 1 << 20] {
+        let b = a.alloc(size).unwrap();
+        assert!(b.size >= size);
+        assert_eq!(b.offset % 64, 0);
+        if size > MAX_SMALL {
+            assert_eq!(b.offset % PAGE, 0);
+        }
+        assert!(b.offset + b.size <= a.capacity());
+        blocks.push(b);
+    }
+    let mut sorted = blocks.clone();
+    sorted.sort_by_key(|b| b.offset);
+    for w in sorted.windows(2) {
+        assert!(w[0].offset + w[0].size <= w[1].offset, "{w:?} overlap");
+    }
+    a.audit().unwrap();
+    for b in blocks {
+        a.free(b).unwrap();
+    }
+    a.audit().unwrap();
+    let u = a.usage();
+    assert_eq!(u.used, 0, "{u:?}");
+}
+
+#[test]
+fn large_runs_go_to_the_smallest_hole_that_holds_them() {
+    let h = HeapAllocator::new(16 << 20);
+    let a = h.get();
+    let mib = |n: u64| n << 20;
+    // Holes of 1.5, 1.1 and 2 MiB between kept blocks, then the free tail.
+    let mut keep = Vec::new();
+    let mut holes = Vec::new();
+    for hole in [mib(3) / 2, mib(11) / 10, mib(2)] {
+        keep.push(a.alloc(mib(1)).unwrap());
+        holes.push(a.alloc(hole).unwrap());
+    }
+    keep.push(a.alloc(mib(1)).unwrap());
+    let offsets: Vec<u64> = holes.iter().map(|b| b.offset).collect();
+    for b in holes {
+        a.free(b).unwrap();
+    }
+    // 1 MiB fits all three holes and the tail: the 1.1 MiB hole is the tightest.
+    assert_eq!(a.alloc(mib(1)).unwrap().offset, offsets[1]);
+    // 1.2 MiB: the 1.5 MiB hole; 1.8 MiB: the 2 MiB hole; 3 MiB: only the tail.
+    assert_eq!(a.alloc(mib(6) / 5).unwrap().offset, offsets[0]);
+    assert_eq!(a.alloc(mib(9) / 5).unwrap().offset, offsets[2]);
+    let tail = a.alloc(mib(3)).unwrap();
+    assert!(tail.offset > keep[3].offset, "{tail:?}");
+    a.audit().unwrap();
+}
+
+#[test]
+fn full_reports_numbers_and_too_large_is_immediate() {
+    let h = HeapAllocator::new(256 << 10);
+    let a = h.get();
+    let b = a.alloc(200 << 10).unwrap();
+    match a.alloc(100 << 10) {
+        Err(Error::Full {
+            requested,
+            free,
+            largest_free,
+        }) => {
+            assert_eq!(requested, 100 << 10);
+            assert_eq!(free, 56 << 10);
+            assert_eq!(largest_free, 56 << 10);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(a.alloc(1 << 20), Err(Error::TooLarge { .. })));
+    a.free(b).unwrap();
+    assert!(a.alloc(256 << 10).is_ok());
+}
+
+#[test]
+fn double_free_and_forged_blocks_are_rejected() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let b = a.alloc(100).unwrap();
+    let keep = a.alloc(100).unwrap();
+    a.free(b).unwrap();
+    assert!(matches!(a.free(b), Err(Error::Corrupted { .. })));
+    let p = a.alloc(50_000).unwrap();
+    a.free(p).unwrap();
+    assert!(a.free(p).is_err());
+    let forged = Block {
+        offset: 1 << 30,
+        size: PAGE,
+        kind: BlockKind::Pages,
+    };
+    assert!(a.free(forged).is_err());
+    let forged = Block {
+        offset: 3,
+        size: 64,
+        kind: BlockKind::Slab(0),
+    };
+    assert!(a.free(forged).is_err());
+    a.free(keep).unwrap();
+    a.audit().unwrap();
+}
+
+/// The rule `best_run` implements, page by page: scan from `from`; the first run of
+/// at least `n` pages ends the window at its start + `FIT_WINDOW`, rounded up to a
+/// whole word (a run still open there is cut there); the smallest run of at least `n`
+/// wins, the lowest on ties, and the first exact fit ends the search.
+fn best_run_page_by_page(free: &[bool], n: u64, from: u64) -> Option<u64> {
+    let npages = free.len() as u64;
+    let mut stop = npages;
+    let mut best: Option<(u64, u64)> = None;
+    let mut start = None;
+    let mut p = from;
+    while p < stop {
+        if free[p as usize] {
+            start.get_or_insert(p);
+        } else if let Some(s) = start.take() {
+            if p - s >= n {
+                if best.is_none() {
+                    stop = ((s + FIT_WINDOW).div_ceil(64) * 64).min(npages);
+                }
+                if best.is_none_or(|(_, l)| p - s < l) {
+                    best = Some((s, p - s));
+                }
+                if p - s == n {
+                    return Some(s);
+                }
+            }
+        }
+        p += 1;
+    }
+    if let Some(s) = start {
+        let e = stop.min(npages);
+        if e - s >= n && best.is_none_or(|(_, l)| e - s < l) {
+            best = Some((s, e - s));
+        }
+    }
+    best.map(|(s, _)| s)
+}
+
+#[test]
+fn best_fit_finds_the_run_a_page_by_page_scan_finds() {
+    // A heap of 2 GiB and a bit (the window is 1 GiB, the last word partial), with
+    // random free and taken runs from 1 page to 100 000, and idle slabs among them.
+    // Under miri, which checks the accesses rather than the result, 16 MiB and one
+    // round.
+    let npages = if cfg!(miri) {
+        4096 + 37
+    } else {
+        (1u64 << 19) + 37
+    };
+    let mut h = HeapAllocator::new(npages / PAGES_PER_SLAB * SLAB);
+    h.npages = npages;
+    h.pages = (0..npages.div_ceil(64))
+        .map(|_| AtomicU64::new(0))
+        .collect();
+    let a = h.get();
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move |m: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % m
+    };
+    for round in 0..if cfg!(miri) { 1 } else { 12 } {
+        for w in a.pages {
+            w.store(0, Ordering::Relaxed);
+        }
+        let mut free = vec![true; npages as usize];
+        let mut p = 0;
+        let mut taken = round % 2 == 0;
+        while p < npages {
+            let len = match next(100) {
+                0..=59 => 1 + next(100),
+                60..=94 => 100 + next(2000),
+                95..=98 => 2000 + next(20_000),
+                _ => 20_000 + next(100_000),
+            };
+            let end = (p + len).min(npages);
+            if taken {
+                for q in p..end {
+                    free[q as usize] = false;
+                    a.pages[(q / 64) as usize].fetch_or(1 << (q % 64), Ordering::Relaxed);
+                }
+            }
+            taken = !taken;
+            p = end;
+        }
+        // Some wholly taken slab units count as idle (free for best fit).
+        let mut idle = IdleSlabs::default();
+        for _ in 0..8 {
+            let s = next(npages / PAGES_PER_SLAB) as usize;
+            let unit = s as u64 * PAGES_PER_SLAB..(s as u64 + 1) * PAGES_PER_SLAB;
+            if unit.clone().all(|q| !free[q as usize])
+                && !idle.as_slice().iter().any(|x| x.slab == s)
+            {
+                idle.push(IdleSlab { slab: s, class: 0 });
+                unit.for_each(|q| free[q as usize] = true);
+            }
+        }
+        idle.sort();
+        let sizes: &[u64] = if cfg!(miri) {
+            &[256, 1000]
+        } else {
+            &[127, 256, 257, 300, 1000, 4096, 70_000]
+        };
+        for &n in sizes {
+            for from in [0, next(npages), next(npages / 4)] {
+                assert_eq!(
+                    a.best_run(n, from, idle.as_slice()),
+                    best_run_page_by_page(&free, n, from),
+                    "round {round}, n {n}, from {from}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn best_fit_raises_the_low_water_mark_as_it_fills() {
+    let h = HeapAllocator::new(16 << 20);
+    let a = h.get();
+    let runs: Vec<_> = (0..12).map(|_| a.alloc(1 << 20).unwrap()).collect();
+    // Packed from the bottom: the mark is where the free space begins.
+    assert_eq!(runs[11].offset, 11 << 20);
+    assert_eq!(a.cursor().load(Ordering::Relaxed), 12 << 8);
+    // A free below it lowers it; the run that fills the hole raises it past itself.
+    a.free(runs[3]).unwrap();
+    assert_eq!(a.cursor().load(Ordering::Relaxed), 3 << 8);
+    let again = a.alloc(1 << 20).unwrap();
+    assert_eq!(again.offset, 3 << 20);
+    assert_eq!(a.cursor().load(Ordering::Relaxed), 4 << 8);
+    // With a hole below that the run does not fill, the mark stops at the hole.
+    a.free(runs[6]).unwrap();
+    let big = a.alloc(2 << 20).unwrap();
+    assert_eq!(big.offset, 12 << 20);
+    assert_eq!(a.cursor().load(Ordering::Relaxed), 6 << 8);
+    a.audit().unwrap();
+}
+
+#[test]
+fn large_runs_take_the_place_of_idle_slabs() {
+    // Small objects of four classes, spread over the bottom of the heap between
+    // 1 MiB runs, then freed: each class keeps its (now empty) current slab there.
+    let h = HeapAllocator::new(16 << 20);
+    let a = h.get();
+    let mut small = Vec::new();
+    let mut spacers = Vec::new();
+    for size in [64, 1024, 4096, 16384] {
+        small.push(a.alloc(size).unwrap());
+        spacers.push(a.alloc(1 << 20).unwrap());
+    }
+    small.drain(..).for_each(|b| a.free(b).unwrap());
+    spacers.drain(..).for_each(|b| a.free(b).unwrap());
+    assert_eq!(a.usage().slabs, 4, "the current slabs stay while empty");
+    // Fill with 2 MiB runs: the idle slabs give way instead of splitting the heap
+    // into holes no run fits, so all 8 fit (without that, 7).
+    let runs: Vec<_> = (0..8)
+        .map(|_| a.alloc(2 << 20))
+        .collect::<Result<_>>()
+        .unwrap();
+    assert_eq!(a.usage().slabs, 0);
+    assert_eq!(a.usage().free, 0);
+    runs.into_iter().for_each(|b| a.free(b).unwrap());
+    a.audit().unwrap();
+}
+
+#[test]
+fn empty_slabs_return_their_pages() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let mut v: Vec<_> = (0..2000).map(|_| a.alloc(64).unwrap()).collect();
+    assert!(a.usage().slabs >= 2);
+    v.drain(..).for_each(|b| a.free(b).unwrap());
+    let u = a.usage();
+    assert_eq!(u.used, 0);
+    assert!(u.slabs <= 1, "only the current slab may stay: {u:?}");
+    // A request that needs the retained slab's pages flushes it: no memory is stranded.
+    let all = a.alloc(a.capacity()).unwrap();
+    assert_eq!(a.usage().slabs, 0);
+    a.free(all).unwrap();
+    a.audit().unwrap();
+}
+
+#[test]
+fn page_runs_coalesce() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let blocks: Vec<_> = (0..16).map(|_| a.alloc(64 << 10).unwrap()).collect();
+    assert!(a.alloc(PAGE).is_err());
+    for b in blocks.iter().step_by(2) {
+        a.free(*b).unwrap();
+    }
+    assert_eq!(a.usage().largest_free, 64 << 10);
+    for b in blocks.iter().skip(1).step_by(2) {
+        a.free(*b).unwrap();
+    }
+    assert_eq!(a.usage().largest_free, 1 << 20);
+}
+
+#[test]
+fn threads_allocate_and_free_concurrently() {
+    let h = std::sync::Arc::new(HeapAllocator::new(8 << 20));
+    let threads: Vec<_> = (0..if cfg!(miri) { 2 } else { 4 })
+        .map(|t| {
+            let h = h.clone();
+            std::thread::spawn(move || {
+                let a = h.get();
+                let mut live = Vec::new();
+                let mut x = t as u64 + 1;
+                let iters = if cfg!(miri) { 300 } else { 20_000u64 };
+                for i in 0..iters {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let size = if i % 50 == 0 {
+                        20_000 + x % 100_000
+                    } else {
+                        1 + x % 3000
+                    };
+                    if let Ok(b) = a.alloc(size) {
+                        live.push(b);
+                    }
+                    if live.len() > 40 {
+                        let k = (x as usize) % live.len();
+                        a.free(live.swap_remove(k)).unwrap();
+                    }
+                }
+                live
+            })
+        })
+        .collect();
+    let mut all: Vec<Block> = threads
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    all.sort_by_key(|b| b.offset);
+    for w in all.windows(2) {
+        assert!(w[0].offset + w[0].size <= w[1].offset, "{w:?} overlap");
+    }
+    let a = h.get();
+    a.audit().unwrap();
+    let used: u64 = all.iter().map(|b| b.size).sum();
+    assert_eq!(a.usage().used, used);
+    for b in all {
+        a.free(b).unwrap();
+    }
+    assert_eq!(a.usage().used, 0);
+}
