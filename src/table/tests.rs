@@ -1,0 +1,292 @@
+//! Unit tests of the object table: neighbourhoods and bins, the slot life cycle, pins
+//! of live and dead clients, and eviction against pins.
+
+use super::testing::HeapTable;
+use super::*;
+use std::time::{Duration, Instant};
+
+fn e(offset: u64) -> Entry {
+    Entry {
+        offset,
+        len: 10,
+        meta_len: 0,
+        kind: 1,
+        creator: 3,
+    }
+}
+
+#[test]
+fn a_neighbourhood_is_two_distinct_bins_and_distance_inverts_slot() {
+    // 1024 slots would take half a minute under miri; 32 and 64 cover the same rules.
+    let sizes: &[usize] = if cfg!(miri) {
+        &[32, 64]
+    } else {
+        &[32, 64, 1024]
+    };
+    for &slots in sizes {
+        let h = HeapTable::new(slots);
+        let t = h.get();
+        for home in 0..slots as u64 {
+            let (first, second) = t.bins(home);
+            assert_eq!(first, home / BIN);
+            assert_ne!(first, second, "home {home} of {slots}");
+            assert!(second < slots as u64 / BIN);
+            let mut seen = vec![false; slots];
+            for d in 0..NEIGHBORHOOD {
+                let (i, _) = t.slot(home, d);
+                assert!(
+                    !std::mem::replace(&mut seen[i], true),
+                    "home {home}: slot {i} twice"
+                );
+                assert_eq!(t.distance(home, i), Some(d));
+            }
+            if let Some(outside) = (0..slots).find(|&i| !seen[i]) {
+                assert_eq!(t.distance(home, outside), None);
+            }
+        }
+    }
+}
+
+#[test]
+fn inserts_move_to_the_second_bin_when_the_first_fills() {
+    let h = HeapTable::new(64);
+    let t = h.get();
+    // Ids sharing one home, until its neighbourhood (both bins) is full. Built from
+    // counters, not hashed keys: cheap enough for miri.
+    let id_of = |k: u64| {
+        let mut b = [0u8; 32];
+        b[..8].copy_from_slice(&k.to_le_bytes());
+        ObjectId::from_bytes(b)
+    };
+    let home = t.home(&id_of(0));
+    let same: Vec<ObjectId> = (0..100_000)
+        .map(id_of)
+        .filter(|id| t.home(id) == home)
+        .take(NEIGHBORHOOD as usize + 1)
+        .collect();
+    assert_eq!(same.len(), NEIGHBORHOOD as usize + 1);
+    for id in &same[..NEIGHBORHOOD as usize] {
+        t.insert(id, &e(0)).unwrap();
+    }
+    let b = t.buckets[home as usize].load(Ordering::Relaxed) as u32;
+    assert_eq!(b, u32::MAX, "every slot of both bins is this home's");
+    assert!(matches!(
+        t.insert(&same[NEIGHBORHOOD as usize], &e(0)),
+        Err(Error::TableFull {
+            objects: 32,
+            slots: 64
+        })
+    ));
+}
+
+#[test]
+fn insert_seal_pin_delete_release() {
+    let h = HeapTable::new(64);
+    let t = h.get();
+    let id = ObjectId::of_key("a");
+    let r = t.insert(&id, &e(640)).unwrap();
+    assert!(matches!(t.pin(&id).unwrap(), Pin::Creating { creator: 3 }));
+    assert!(matches!(
+        t.insert(&id, &e(0)),
+        Err(Error::AlreadyExists { .. })
+    ));
+    assert!(matches!(t.delete(&id), Err(Error::NotSealed { .. })));
+    t.seal(&id, r).unwrap();
+    assert!(t.contains_sealed(&id));
+    let Pin::Pinned(p, entry) = t.pin(&id).unwrap() else {
+        panic!()
+    };
+    assert_eq!(p, r);
+    assert_eq!(entry, e(640));
+    // Delete while pinned: lookups stop at once, the block is not freed yet.
+    assert_eq!(t.delete(&id).unwrap(), None);
+    assert!(h.freed().is_empty());
+    assert!(matches!(t.pin(&id).unwrap(), Pin::Absent));
+    assert!(matches!(t.delete(&id), Err(Error::NotFound { .. })));
+    // The same id can be created again while the old one drains.
+    let r2 = t.insert(&id, &e(1280)).unwrap();
+    assert_ne!(r2.index, r.index);
+    // The last unpin frees the old entry and returns its slot.
+    t.unpin(p).unwrap();
+    assert_eq!(h.freed(), vec![(r, e(640))]);
+    assert_eq!(t.ctl(r.index as usize), Ctl::new(FREE, None, r.gen + 1));
+    assert!(t.unpin(p).is_err(), "an unpin without a pin must fail");
+    t.abort(&id, r2).unwrap();
+    assert_eq!(h.freed()[1], (r2, e(1280)));
+    assert_eq!(t.count_live(), 0);
+}
+
+#[test]
+fn reused_slot_never_matches_old_generation() {
+    let h = HeapTable::new(32);
+    let t = h.get();
+    let a = ObjectId::of_key("a");
+    let r = t.insert(&a, &e(0)).unwrap();
+    t.seal(&a, r).unwrap();
+    assert_eq!(t.delete(&a).unwrap(), Some(e(0)));
+    assert_eq!(h.freed(), vec![(r, e(0))]);
+    // Every new insert lands somewhere; none may be pinned through the old ref.
+    for k in 0..20 {
+        let id = ObjectId::of_key(format!("b{k}"));
+        let r2 = t.insert(&id, &e(64)).unwrap();
+        t.seal(&id, r2).unwrap();
+        if r2.index == r.index {
+            assert_ne!(r2.gen, r.gen);
+        }
+    }
+    assert!(t.add_pin(r).is_err());
+    assert!(t.unpin(r).is_err());
+}
+
+#[test]
+fn pins_of_other_clients_keep_the_block_and_dead_ones_are_dropped() {
+    let h = HeapTable::new(32);
+    let (me, other) = (h.as_client(0), h.as_client(5));
+    let id = ObjectId::of_key("shared");
+    let r = me.insert(&id, &e(0)).unwrap();
+    me.seal(&id, r).unwrap();
+    let Pin::Pinned(p, _) = other.pin(&id).unwrap() else {
+        panic!()
+    };
+    other.add_pin(p).unwrap();
+    assert_eq!(me.pins_of(r.index as usize), 2);
+    assert_eq!(me.delete(&id).unwrap(), None);
+    assert!(h.freed().is_empty(), "freed under another client's pins");
+    assert_eq!(h.read_while_pinned(), 0);
+    // Client 5 dies holding both pins: dropping its counter frees the block once.
+    assert_eq!(me.drop_dead_pins(r.index as usize, 5), Some(e(0)));
+    assert_eq!(me.drop_dead_pins(r.index as usize, 5), None);
+    assert_eq!(h.freed().len(), 1);
+}
+
+#[test]
+fn eviction_skips_pins_and_a_pin_cancels_an_eviction_in_flight() {
+    let h = HeapTable::new(32);
+    let t = h.get();
+    let id = ObjectId::of_key("lru");
+    let r = t.insert(&id, &e(0)).unwrap();
+    t.seal(&id, r).unwrap();
+    let i = r.index as usize;
+    assert!(!t.clock_step(i).unwrap(), "first pass only clears the bit");
+    let Pin::Pinned(p, _) = h.as_client(1).pin(&id).unwrap() else {
+        panic!()
+    };
+    assert!(!t.clock_step(i).unwrap(), "the get set the bit again");
+    assert!(!t.clock_step(i).unwrap(), "pinned objects are skipped");
+    assert_eq!(t.ctl(i).state(), SEALED);
+    // An eviction in flight (a hand that died after SEALED -> EVICTING) is cancelled
+    // by the next pin, and stays readable meanwhile.
+    h.slots[i]
+        .ctl
+        .store(Ctl::new(EVICTING, None, r.gen).0, Ordering::SeqCst);
+    assert!(t.contains_sealed(&id));
+    let Pin::Pinned(q, _) = t.pin(&id).unwrap() else {
+        panic!()
+    };
+    assert_eq!(t.ctl(i).state(), SEALED);
+    t.unpin(q).unwrap();
+    h.as_client(1).unpin(p).unwrap();
+    assert!(!t.clock_step(i).unwrap());
+    assert!(t.clock_step(i).unwrap());
+    assert_eq!(h.freed(), vec![(r, e(0))]);
+}
+
+#[test]
+fn orphans_of_a_dead_client_are_returned() {
+    let h = HeapTable::new(32);
+    let dead = h.as_client(7);
+    let t = h.get();
+    let id = ObjectId::of_key("half-made");
+    let r = dead.insert(&id, &e(64)).unwrap();
+    assert_eq!(t.abort_orphan(r.index as usize, r.gen), (true, Some(e(64))));
+    assert_eq!(
+        t.abort_orphan(r.index as usize, r.gen),
+        (false, None),
+        "idempotent"
+    );
+    assert_eq!(h.freed(), vec![(r, e(64))]);
+    assert!(matches!(t.pin(&id).unwrap(), Pin::Absent));
+    // A slot left RESERVED or FREEING by a dead owner goes back to FREE.
+    let s = &h.slots[3];
+    for state in [RESERVED, FREEING] {
+        let c = Ctl::new(state, Some(7), 9);
+        s.ctl.store(c.0, Ordering::SeqCst);
+        assert_eq!(c.owner(), Some(7));
+        assert!(t.reset_orphan(3, c));
+        assert_eq!(t.ctl(3), Ctl::new(FREE, None, 10));
+    }
+}
+
+#[test]
+fn neighbourhood_full_is_table_full() {
+    let h = HeapTable::new(32);
+    let t = h.get();
+    let mut n = 0;
+    let err = loop {
+        match t.insert(&ObjectId::of_key(format!("{n}")), &e(0)) {
+            Ok(_) => n += 1,
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(n, 32);
+    assert!(matches!(
+        err,
+        Error::TableFull {
+            objects: 32,
+            slots: 32
+        }
+    ));
+}
+
+#[test]
+fn racing_creates_of_one_id_admit_exactly_one() {
+    for round in 0..if cfg!(miri) { 4 } else { 200 } {
+        let h = std::sync::Arc::new(HeapTable::new(64));
+        let id = ObjectId::of_key(format!("race{round}"));
+        let wins: usize = (0..3)
+            .map(|k| {
+                let h = h.clone();
+                std::thread::spawn(move || h.as_client(k).insert(&id, &e(0)).is_ok() as usize)
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .sum();
+        assert_eq!(wins, 1);
+    }
+}
+
+#[test]
+fn pin_wait_wakes_on_seal_and_times_out() {
+    for spin in [0, 50, if cfg!(miri) { 500 } else { 1_000_000 }] {
+        pin_wait_case(spin);
+    }
+}
+
+fn pin_wait_case(spin: u64) {
+    let h = std::sync::Arc::new(HeapTable::new(64));
+    let id = ObjectId::of_key("w");
+    let t = h.get();
+    let start = Instant::now();
+    let p = t
+        .pin_wait(&id, Some(start + Duration::from_millis(30)), Duration::ZERO)
+        .unwrap();
+    assert!(matches!(p, Pin::Absent));
+    assert!(start.elapsed() >= Duration::from_millis(29));
+    let h2 = h.clone();
+    let waiter = std::thread::spawn(move || {
+        let t = h2.as_client(1);
+        matches!(
+            t.pin_wait(
+                &id,
+                Some(Instant::now() + Duration::from_secs(20)),
+                Duration::from_micros(spin)
+            )
+            .unwrap(),
+            Pin::Pinned(..)
+        )
+    });
+    let r = t.insert(&id, &e(0)).unwrap();
+    t.seal(&id, r).unwrap();
+    assert!(waiter.join().unwrap());
+}
