@@ -143,6 +143,16 @@ const MUTATION: Option<&str> = option_env!("SHMSTORE_MUTATION");
 #[cfg(not(loom))]
 const MUTATION: Option<&str> = None;
 
+/// `strong`, or `weak` in a build that carries the deliberate bug `name`: how a mutation
+/// weakens an ordering (see [`MUTATION`]).
+pub(crate) const fn weakened_by(name: &str, strong: Ordering, weak: Ordering) -> Ordering {
+    if mutation(name) {
+        weak
+    } else {
+        strong
+    }
+}
+
 /// Whether this build carries the deliberate bug `name` (see [`MUTATION`]).
 pub(crate) const fn mutation(name: &str) -> bool {
     let Some(m) = MUTATION else { return false };

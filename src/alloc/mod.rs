@@ -46,21 +46,12 @@ pub(crate) const CLASS_SIZES: [u64; CLASSES as usize] = [
 /// slab bit cleared, slab marked partial, reservation dropped): Release, so the next
 /// owner's Acquire claim sees everything the previous owner did with the memory. The
 /// mutations weaken them, for docs/verification.md.
-const PAGE_FREE: Ordering = if crate::sync::mutation("free_relaxed") {
-    Ordering::Relaxed
-} else {
-    Ordering::AcqRel
-};
-const SLAB_FREE: Ordering = if crate::sync::mutation("slab_free_relaxed") {
-    Ordering::Relaxed
-} else {
-    Ordering::AcqRel
-};
-const SLAB_FREE_FAIL: Ordering = if crate::sync::mutation("slab_free_relaxed") {
-    Ordering::Relaxed
-} else {
-    Ordering::Acquire
-};
+const PAGE_FREE: Ordering =
+    crate::sync::weakened_by("free_relaxed", Ordering::AcqRel, Ordering::Relaxed);
+const SLAB_FREE: Ordering =
+    crate::sync::weakened_by("slab_free_relaxed", Ordering::AcqRel, Ordering::Relaxed);
+const SLAB_FREE_FAIL: Ordering =
+    crate::sync::weakened_by("slab_free_relaxed", Ordering::Acquire, Ordering::Relaxed);
 
 /// Searches before a page-run allocation reports the store full while claims by others
 /// were in flight (see `Allocator::alloc_pages`).

@@ -182,18 +182,10 @@ impl Allocator<'_> {
                         // Raise the low-water mark past the pages below the run that are
                         // taken, as first fit does: a store filled with large objects is
                         // then searched from where its free space begins, not from its
-                        // first page (one word per 256 KiB below the run, once). As there,
-                        // a free racing with this may leave the mark too high, which costs
-                        // fit quality (the search from page 0 still finds every run),
-                        // never memory.
+                        // first page (one word per 256 KiB below the run, once).
                         let mark = self.next_free(hint, p).unwrap_or(p + n);
                         if mark > hint {
-                            let _ = hint_word.compare_exchange(
-                                hint,
-                                mark,
-                                Ordering::Relaxed,
-                                Ordering::Relaxed,
-                            );
+                            self.raise_mark(hint, mark);
                         }
                     }
                     return Some(p);
@@ -217,16 +209,8 @@ impl Allocator<'_> {
                 match self.claim_run(cand, n) {
                     Ok(()) => {
                         if let (0, Some(f0)) = (pass, first_free) {
-                            // Raise the low-water mark past pages that were taken. A free
-                            // racing with this may leave it too high: that costs fit quality
-                            // (pass 1 still finds everything), never memory.
-                            let f0 = if f0 == cand { cand + n } else { f0 };
-                            let _ = hint_word.compare_exchange(
-                                hint,
-                                f0,
-                                Ordering::Relaxed,
-                                Ordering::Relaxed,
-                            );
+                            // Raise the low-water mark past pages that were taken.
+                            self.raise_mark(hint, if f0 == cand { cand + n } else { f0 });
                         }
                         return Some(cand);
                     }
@@ -339,6 +323,16 @@ impl Allocator<'_> {
             consider(s, (w as u64 * 64).min(self.npages), &mut stop);
         }
         best.map(|(f, _)| f)
+    }
+
+    /// Moves the low-water mark from `seen` up to `page`, unless it changed since it was
+    /// read as `seen` (one CAS). A free racing with this may leave the mark too high:
+    /// that costs fit quality (every search also runs from page 0 before giving up),
+    /// never memory.
+    pub(super) fn raise_mark(&self, seen: u64, page: u64) {
+        let _ = self
+            .cursor()
+            .compare_exchange(seen, page, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     /// Lowers the first-fit low-water mark to `page`.

@@ -79,16 +79,9 @@ pub(crate) const PIN_LIMIT: u16 = 60_000;
 
 /// SeqCst, except under the `pin_acqrel` mutation (a deliberate bug for
 /// docs/verification.md: the pin/free handshake with acquire/release only).
-const SC: Ordering = if crate::sync::mutation("pin_acqrel") {
-    Ordering::AcqRel
-} else {
-    Ordering::SeqCst
-};
-const SC_LOAD: Ordering = if crate::sync::mutation("pin_acqrel") {
-    Ordering::Acquire
-} else {
-    Ordering::SeqCst
-};
+const SC: Ordering = crate::sync::weakened_by("pin_acqrel", Ordering::SeqCst, Ordering::AcqRel);
+const SC_LOAD: Ordering =
+    crate::sync::weakened_by("pin_acqrel", Ordering::SeqCst, Ordering::Acquire);
 
 /// The fence of the Dekker handshake between pinners and freers.
 fn dekker_fence() {
@@ -731,11 +724,8 @@ impl<'a> Table<'a> {
         } else {
             r.gen.wrapping_add(1)
         };
-        let order = if crate::sync::mutation("slot_release_relaxed") {
-            Ordering::Relaxed // deliberate bug, for docs/verification.md
-        } else {
-            Ordering::Release
-        };
+        let order =
+            crate::sync::weakened_by("slot_release_relaxed", Ordering::Release, Ordering::Relaxed);
         if let Some(s) = self.slots.get(r.index as usize) {
             s.ctl.store(Ctl::new(FREE, None, next).0, order);
         }
@@ -750,11 +740,8 @@ impl<'a> Table<'a> {
             return Err(corrupted(format!("seal of slot {} in {c:?}", r.index)));
         }
         // Release: every payload byte written before this store is visible to whoever pins.
-        let publish = if crate::sync::mutation("seal_relaxed") {
-            Ordering::Relaxed // deliberate bug, for docs/verification.md
-        } else {
-            Ordering::Release
-        };
+        let publish =
+            crate::sync::weakened_by("seal_relaxed", Ordering::Release, Ordering::Relaxed);
         // A step that changes a count: bracketed, so a death here owes a sweep.
         self.reclaimer.begin_op();
         let sealed = s
