@@ -13,6 +13,7 @@
 //!          wait buckets      WAIT_BUCKETS x 64 B   futex words for blocked gets
 //!          alloc hints       (CLASSES + 3) x 64 B  current slab per class, cursor, claims
 //!          page bitmap       pages / 64 words      1 bit per 4 KiB heap page
+//!          page summary      pages / 4096 words    1 bit per bitmap word: "holds a taken page"
 //!          slab descriptors  slabs x 136 B         state + block bitmap per 64 KiB unit
 //!          partial bitmaps   CLASSES x slabs/64    "slab of class c may have a free block"
 //!          table buckets     slots x 8 B           neighbourhood bitmaps (two bins each)
@@ -32,7 +33,7 @@ use std::path::Path;
 /// Magic bytes at offset 0.
 pub(crate) const MAGIC: [u8; 8] = *b"SHMSTORE";
 /// Layout version; bump on any incompatible change.
-pub(crate) const LAYOUT_VERSION: u32 = 4;
+pub(crate) const LAYOUT_VERSION: u32 = 5;
 /// Heap page size: large objects are page-aligned runs of these.
 pub(crate) const PAGE: u64 = 4096;
 /// Slab unit: small objects live in 64 KiB slabs aligned to 64 KiB.
@@ -97,7 +98,8 @@ pub(crate) struct Superblock {
     pub created_unix_ns: u64,
     pub flags: u64,
     pub pin_stride: u64,
-    pub _reserved: [u64; 7],
+    pub page_summary_offset: u64,
+    pub _reserved: [u64; 6],
     pub checksum: u64,
 }
 
@@ -116,6 +118,11 @@ pub(crate) struct Params {
 
 /// Section offsets computed from [`Params`].
 pub(crate) type Layout = Superblock;
+
+/// Words of the page summary for a heap of `pages` pages: one bit per page-bitmap word.
+pub(crate) fn summary_words(pages: u64) -> u64 {
+    pages.div_ceil(64).div_ceil(64)
+}
 
 fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
@@ -166,6 +173,7 @@ impl Params {
         let wait_offset = take(WAIT_BUCKETS * 64, 64);
         let hints_offset = take(HINTS * 64, 64);
         let page_bitmap_offset = take(pages.div_ceil(64) * 8, 64);
+        let page_summary_offset = take(summary_words(pages) * 8, 64);
         let slab_desc_offset = take(slabs * SLAB_DESC_SIZE, 64);
         let partial_offset = take(CLASSES * partial_words * 8, 64);
         let buckets_offset = take(self.table_slots * 8, 64);
@@ -206,7 +214,8 @@ impl Params {
             created_unix_ns: 0,
             flags: 0,
             pin_stride,
-            _reserved: [0; 7],
+            page_summary_offset,
+            _reserved: [0; 6],
             checksum: 0,
         })
     }
@@ -305,6 +314,7 @@ mod tests {
             (l.wait_offset, WAIT_BUCKETS * 64),
             (l.hints_offset, HINTS * 64),
             (l.page_bitmap_offset, l.pages.div_ceil(64) * 8),
+            (l.page_summary_offset, summary_words(l.pages) * 8),
             (l.slab_desc_offset, l.slabs * SLAB_DESC_SIZE),
             (l.partial_offset, CLASSES * l.partial_words * 8),
             (l.buckets_offset, l.table_slots * 8),

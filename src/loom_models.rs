@@ -475,6 +475,27 @@ fn loom_moving_into_a_dead_slot_races_its_recovery() {
     });
 }
 
+/// Two frees and a claim race in one bitmap word. The page summary's bit for the word is
+/// cleared by whichever free leaves it empty (decided from that free's own RMW), so once
+/// all are done no empty word is hidden from best fit.
+#[test]
+fn loom_page_summary_follows_racing_frees() {
+    loom::model(|| {
+        let h = Arc::new(HeapAllocator::new(128 * PAGE));
+        let a = h.get().alloc(20 * PAGE).unwrap();
+        let b = h.get().alloc(20 * PAGE).unwrap();
+        let t = {
+            let h = h.clone();
+            thread::spawn(move || h.get().free(a).unwrap())
+        };
+        h.get().free(b).unwrap();
+        let c = h.get().alloc(30 * PAGE).unwrap();
+        h.get().free(c).unwrap();
+        t.join().unwrap();
+        h.get().audit().unwrap();
+    });
+}
+
 /// The next owner of a page run synchronises with its previous owner: what the previous
 /// owner did with the memory (a loom cell here) happens before the next owner's first
 /// access, through the free's Release and the claim's Acquire.

@@ -39,7 +39,9 @@
 //! write). Then:
 //! * a block bit set in a live slab that no entry names is freed;
 //! * a slab `live` count above its set bits has its extra reservations dropped;
-//! * a page bit that no page-run entry and no live slab covers is freed.
+//! * a page bit that no page-run entry and no live slab covers is freed;
+//! * (first, at any moment) a page word left empty with its summary bit set, by a freer
+//!   that died between the two, has the bit cleared.
 //!
 //! * a unit that is no slab but has block bits set (a setup killed midway) has them
 //!   cleared, after its pages are taken as a new slab would take them.
@@ -259,6 +261,9 @@ impl World<'_> {
 
     /// The sweep proper (we hold the sweeper token). `false`: no quiet moment, try later.
     fn sweep_owned(&self, report: &mut RecoveryReport) -> bool {
+        // A client that died inside a free may have emptied a page word without clearing
+        // its summary bit, hiding it from best fit. Clearing is safe at any moment.
+        self.alloc.repair_summary();
         // Dead clients' marks must be settled first.
         for d in 0..self.clients.len() {
             if matches!(

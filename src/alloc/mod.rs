@@ -15,6 +15,8 @@
 //! [`Allocator::audit`]).
 //!
 //! Invariants (checked by [`Allocator::audit`] in tests):
+//! * a page word with no taken page has its summary bit clear, once no free is in
+//!   progress (see [`pages`]);
 //! * bits set in a slab's bitmap <= its `live` count (claimers reserve before setting, freers
 //!   clear before releasing);
 //! * a slab unit whose `state` is 0 has an all-zero block bitmap;
@@ -169,6 +171,9 @@ pub(crate) fn blocks_in_slab(class: usize) -> u64 {
 /// The allocator over its shared sections. Cheap to build; holds only borrows.
 pub(crate) struct Allocator<'a> {
     pages: &'a [AtomicU64],
+    /// The page summary: one bit per page-bitmap word, set while that word holds a
+    /// taken page (see [`pages`] for when it may lag).
+    summary: &'a [AtomicU64],
     npages: u64,
     slabs: &'a [SlabDesc],
     partial: &'a [AtomicU64],
@@ -192,18 +197,21 @@ impl<'a> Allocator<'a> {
     /// Wraps the sections. Lengths must match the layout (the caller validated it).
     pub(crate) fn new(
         pages: &'a [AtomicU64],
+        summary: &'a [AtomicU64],
         npages: u64,
         slabs: &'a [SlabDesc],
         partial: &'a [AtomicU64],
         hints: &'a [Padded<AtomicU64>],
     ) -> Self {
         debug_assert!(pages.len() as u64 * 64 >= npages);
+        debug_assert_eq!(summary.len(), pages.len().div_ceil(64));
         debug_assert_eq!(slabs.len() as u64, npages / PAGES_PER_SLAB);
         debug_assert_eq!(hints.len() as u64, HINTS);
         let partial_words = slabs.len().div_ceil(64);
         debug_assert_eq!(partial.len(), partial_words * CLASSES as usize);
         Self {
             pages,
+            summary,
             npages,
             slabs,
             partial,
@@ -402,6 +410,11 @@ impl<'a> Allocator<'a> {
 
     /// Checks the allocator's invariants; for tests and `shmstore` diagnostics.
     pub(crate) fn audit(&self) -> Result<()> {
+        if let Some(w) = self.hidden_empty_word() {
+            return Err(corrupted(format!(
+                "page word {w} is empty but the page summary says it holds taken pages"
+            )));
+        }
         for (s, d) in self.slabs.iter().enumerate() {
             let st = d.state.load(Ordering::Relaxed);
             let c = (st >> 16) as usize;
@@ -442,6 +455,7 @@ pub(crate) mod testing {
     /// Owns the sections an [`Allocator`] borrows.
     pub(crate) struct HeapAllocator {
         pub pages: Vec<AtomicU64>,
+        pub summary: Vec<AtomicU64>,
         pub npages: u64,
         pub slabs: Vec<SlabDesc>,
         pub partial: Vec<AtomicU64>,
@@ -456,6 +470,7 @@ pub(crate) mod testing {
             let zeros = |n: usize| (0..n).map(|_| AtomicU64::new(0)).collect::<Vec<_>>();
             Self {
                 pages: zeros(npages.div_ceil(64) as usize),
+                summary: zeros(npages.div_ceil(64).div_ceil(64) as usize),
                 npages,
                 slabs: (0..nslabs).map(|_| SlabDesc::default()).collect(),
                 partial: zeros(nslabs.div_ceil(64) * CLASSES as usize),
@@ -467,6 +482,7 @@ pub(crate) mod testing {
         pub(crate) fn get(&self) -> Allocator<'_> {
             Allocator::new(
                 &self.pages,
+                &self.summary,
                 self.npages,
                 &self.slabs,
                 &self.partial,

@@ -12,6 +12,18 @@
 //! where classes' empty current slabs count as free and give way (retired just before
 //! the run is claimed).
 //!
+//! The page summary holds one bit per bitmap word (256 KiB of heap), set while that word
+//! holds a taken page: a claim that takes a page in an empty word sets it, and a free
+//! that leaves a word empty clears it. Best fit reads it to pass over the words that
+//! hold taken pages 64 at a time (a run of 1 MiB or more holds a whole empty word), so
+//! its search costs one load per 16 MiB of a heap cut into small holes. Both are
+//! single-word RMWs made after the page word's own, so each lands after the page change
+//! it reports: a bit can be clear on a word with taken pages (a free that emptied the
+//! word raced with a claim that refilled it), which only costs a search a load, and is
+//! set on an empty word only for a moment while a free is finishing, or for good if the
+//! freer died there; the leak sweep owed for that death clears it again
+//! ([`repair_summary`](Allocator::repair_summary)).
+//!
 //! Invariants: a set bit is a page some block owns (a page run, or a slab's pages); a
 //! claimer owns exactly the bits its CASes set, and gives back exactly those on rollback
 //! or free. The low-water mark is only a hint: frees lower it, a claim raises it past the
@@ -99,7 +111,12 @@ impl Allocator<'_> {
                     Ordering::AcqRel,
                     Ordering::Relaxed,
                 ) {
-                    Ok(_) => break,
+                    Ok(_) => {
+                        if cur == 0 {
+                            self.mark_occupied(w);
+                        }
+                        break;
+                    }
                     Err(now) => cur = now,
                 }
             }
@@ -114,9 +131,76 @@ impl Allocator<'_> {
         while p < end {
             let w = (p / 64) as usize;
             let hi = (end - (w as u64) * 64).min(64);
-            self.pages[w].fetch_and(!range_mask(p % 64, hi), PAGE_FREE);
+            let mask = range_mask(p % 64, hi);
+            // (The mutation decides from a load before the RMW: two frees in one word
+            // then each see the other's pages, and neither clears the bit.)
+            let seen = crate::sync::mutation("summary_stale_read")
+                .then(|| self.pages[w].load(Ordering::Relaxed));
+            let before = self.pages[w].fetch_and(!mask, PAGE_FREE);
+            if seen.unwrap_or(before) & !mask == 0 {
+                self.mark_empty(w);
+            }
             p = (w as u64 + 1) * 64;
         }
+    }
+
+    /// Sets page word `w`'s summary bit: it holds a taken page (our claim just made it
+    /// non-empty).
+    fn mark_occupied(&self, w: usize) {
+        self.summary[w / 64].fetch_or(1 << (w % 64), Ordering::Relaxed);
+    }
+
+    /// Clears page word `w`'s summary bit: our free just left it empty. Clearing is
+    /// always safe: a clear bit only means "look at the word".
+    fn mark_empty(&self, w: usize) {
+        self.summary[w / 64].fetch_and(!(1 << (w % 64)), Ordering::Relaxed);
+    }
+
+    /// Whether page word `w` may have no taken page: its summary bit is clear.
+    fn maybe_empty(&self, w: usize) -> bool {
+        self.summary[w / 64].load(Ordering::Relaxed) >> (w % 64) & 1 == 0
+    }
+
+    /// The first page word in `[w, end)` that may have no taken page (its summary bit is
+    /// clear), or `end`.
+    fn next_maybe_empty(&self, w: usize, end: usize) -> usize {
+        if w >= end {
+            return end;
+        }
+        let mut s = w / 64;
+        let mut bits = !self.summary[s].load(Ordering::Relaxed) & range_mask(w as u64 % 64, 64);
+        loop {
+            if bits != 0 {
+                return (s * 64 + bits.trailing_zeros() as usize).min(end);
+            }
+            s += 1;
+            if s * 64 >= end {
+                return end;
+            }
+            bits = !self.summary[s].load(Ordering::Relaxed);
+        }
+    }
+
+    /// Clears the summary bit of every empty page word. A freer killed between emptying a
+    /// word and clearing its bit leaves the word hidden from best fit; the leak sweep
+    /// owed for its death calls this. Safe at any time (see [`mark_empty`](Self::mark_empty)).
+    /// Returns the number of bits cleared.
+    pub(crate) fn repair_summary(&self) -> u64 {
+        let mut cleared = 0;
+        for (w, word) in self.pages.iter().enumerate() {
+            if !self.maybe_empty(w) && word.load(Ordering::Relaxed) == 0 {
+                self.mark_empty(w);
+                cleared += 1;
+            }
+        }
+        cleared
+    }
+
+    /// The first empty page word whose summary bit is set (hidden from best fit): for
+    /// audits, where no free is in progress and no freer died.
+    pub(super) fn hidden_empty_word(&self) -> Option<usize> {
+        (0..self.pages.len())
+            .find(|&w| !self.maybe_empty(w) && self.pages[w].load(Ordering::Relaxed) == 0)
     }
 
     /// Finds and claims `n` pages whose first index is a multiple of `align`.
@@ -223,10 +307,12 @@ impl Allocator<'_> {
 
     /// The start of the smallest free run of at least `n` pages at or after page `from`,
     /// among the runs that start within [`FIT_WINDOW`] pages of the first one that fits
-    /// (lowest address on ties). One pass over the page bitmap, one load per word and a
-    /// few instructions: `n` is at least 127 pages, so a run that fits holds a whole free
-    /// word, and a word with taken pages can only end a run (its free low pages) or start
-    /// one (its free high pages); the runs inside it are too short to matter.
+    /// (lowest address on ties). One pass over the page bitmap: `n` is at least 127
+    /// pages, so a run that fits holds a whole free word, and a word with taken pages can
+    /// only end a run (its free low pages) or start one (its free high pages); the runs
+    /// inside it are too short to matter. So the words the page summary marks as holding
+    /// taken pages are passed over 64 at a time, free words 8 at a time, and the words
+    /// read are those at the edges of the empty ones.
     pub(super) fn best_run(&self, n: u64, from: u64, idle: &[IdleSlab]) -> Option<u64> {
         debug_assert!(n >= 127, "best fit serves runs of BEST_FIT_PAGES or more");
         let words = self.npages.div_ceil(64) as usize;
@@ -284,38 +370,34 @@ impl Allocator<'_> {
                 start.get_or_insert(base);
             }
             w += 1;
-            // Inside a free run, or between runs: skip the words that follow 8 at a time
-            // while they are all free (resp. all taken): most of a large heap is one or
-            // the other. A word that holds an idle slab is never skipped: its bits read
-            // taken but are not.
-            let skippable = used == 0 || used == u64::MAX;
-            if skippable || start.is_none() {
-                let idle_word = idle[next_idle..]
-                    .iter()
-                    .map(IdleSlab::word)
-                    .find(|&x| x >= w)
-                    .unwrap_or(usize::MAX);
-                let bound = stop.min(whole).min(idle_word);
-                if skippable {
-                    while w + 8 <= bound
-                        && self.pages[w..w + 8]
-                            .iter()
-                            .all(|x| x.load(Ordering::Relaxed) == used)
-                    {
-                        w += 8;
-                    }
-                } else {
-                    // Between runs, among words that each hold a taken page (a heap cut
-                    // into small holes): a run that starts and ends in such words is at
-                    // most 126 pages, too short. Skip 7 of every 8 of them; the 8th may
-                    // start a run with its free high pages.
-                    while w + 8 <= bound
-                        && self.pages[w..w + 8]
-                            .iter()
-                            .all(|x| x.load(Ordering::Relaxed) != 0)
-                    {
-                        w += 7;
-                    }
+            let idle_word = idle[next_idle..]
+                .iter()
+                .map(IdleSlab::word)
+                .find(|&x| x >= w)
+                .unwrap_or(usize::MAX);
+            // A word that holds an idle slab is never skipped: its bits read taken but
+            // are not.
+            let bound = stop.min(idle_word);
+            if used == 0 {
+                // Inside a free run: skip the free words that follow, 8 at a time.
+                while w + 8 <= bound.min(whole)
+                    && self.pages[w..w + 8]
+                        .iter()
+                        .all(|x| x.load(Ordering::Relaxed) == 0)
+                {
+                    w += 8;
+                }
+            } else {
+                // This word holds a taken page, so a run in progress ended in it, and the
+                // one its free high pages may start is under 64 pages so far. The words up
+                // to the next one the summary says may be empty each hold a taken page
+                // too, so a run that starts in or reaches them ends in them, under 127
+                // pages: jump to the word before that one, whose free high pages may
+                // start a run.
+                let next = self.next_maybe_empty(w, bound);
+                if next > w {
+                    start = None;
+                    w = next - 1;
                 }
             }
         }

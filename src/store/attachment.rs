@@ -19,7 +19,8 @@ use crate::capacity::{self, Globals};
 use crate::client::{self, Claimed, ClientHeader, Clients, Liveness, SlotLocks};
 use crate::error::{Error, Result};
 use crate::layout::{
-    Superblock, CLASSES, FLAG_EVICT, FLAG_REMOVE_WHEN_UNUSED, GLOBALS_SIZE, HINTS, WAIT_BUCKETS,
+    summary_words, Superblock, CLASSES, FLAG_EVICT, FLAG_REMOVE_WHEN_UNUSED, GLOBALS_SIZE, HINTS,
+    WAIT_BUCKETS,
 };
 use crate::liveness::{self, LockFile};
 use crate::recovery::{RecoveryReport, World, MAINTENANCE_PERIOD};
@@ -126,6 +127,7 @@ impl Binding {
 pub(super) struct Inner {
     // Field order: the sections borrow from `map`, which must drop last.
     pages: &'static [AtomicU64],
+    summary: &'static [AtomicU64],
     slabs: &'static [SlabDesc],
     partial: &'static [AtomicU64],
     hints: &'static [Padded<AtomicU64>],
@@ -264,10 +266,11 @@ impl Inner {
         }
         // SAFETY: `base`/`total` describe `map`, which `Inner` owns and drops after these
         // slices (field order); the slices never leave `Inner`.
-        let (globals, pages, slabs, partial, hints, slots, buckets, waits, pins, clients) = unsafe {
+        let (globals, pages, summary, slabs, partial, hints, slots, buckets, waits, pins, clients) = unsafe {
             (
                 &section::<Globals>(base, total, sb.globals_offset, 1)?[0],
                 section(base, total, sb.page_bitmap_offset, sb.pages.div_ceil(64))?,
+                section(base, total, sb.page_summary_offset, summary_words(sb.pages))?,
                 section(base, total, sb.slab_desc_offset, sb.slabs)?,
                 section(base, total, sb.partial_offset, sb.partial_words * CLASSES)?,
                 section(base, total, sb.hints_offset, HINTS)?,
@@ -291,6 +294,7 @@ impl Inner {
         let inner = Arc::new(Inner {
             globals,
             pages,
+            summary,
             slabs,
             partial,
             hints,
@@ -461,6 +465,7 @@ impl Inner {
     pub(super) fn alloc(&self) -> Allocator<'_> {
         Allocator::new(
             self.pages,
+            self.summary,
             self.sb.pages,
             self.slabs,
             self.partial,

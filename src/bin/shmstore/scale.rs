@@ -230,7 +230,7 @@ fn fallocate_floor(dir: &Path, size: u64) -> Result<Duration, String> {
 fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
     let dir = PathBuf::from("/dev/shm");
     let pid = std::process::id();
-    let sizes: &[(u64, &str, [&'static str; 7])] = &[
+    let sizes: &[(u64, &str, [&'static str; 8])] = &[
         (
             GIB,
             "1 GiB",
@@ -242,6 +242,7 @@ fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), Str
                 "warm_put_1g_ms",
                 "first_read_1g_ms",
                 "alloc_full_below_1g_ns",
+                "alloc_in_holes_1g_ns",
             ],
         ),
         (
@@ -255,6 +256,7 @@ fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), Str
                 "warm_put_4g_ms",
                 "first_read_4g_ms",
                 "alloc_full_below_4g_ns",
+                "alloc_in_holes_4g_ns",
             ],
         ),
         (
@@ -268,6 +270,7 @@ fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), Str
                 "warm_put_16g_ms",
                 "first_read_16g_ms",
                 "alloc_full_below_16g_ns",
+                "alloc_in_holes_16g_ns",
             ],
         ),
     ];
@@ -364,6 +367,15 @@ fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), Str
             "<= 1.5x warm",
         );
         alloc_full_below(&store, label, keys[6], r)?;
+        let (o, c) = crate::bench::alloc_in_holes_ns(&store, 1000)?;
+        let o = r.fig(keys[7], o);
+        r.row(
+            format!("alloc + free 1 MiB, heap in 64 KiB holes ({label}), p50"),
+            ns(o),
+            format!("memcpy of the 1 MiB {}", ns(c)),
+            ratio(o, c),
+            "-",
+        );
         drop(store);
     }
     Ok(())
