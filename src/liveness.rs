@@ -175,6 +175,23 @@ impl LockFile {
     }
 }
 
+/// Whether any open file description holds a lock on any byte of the file `file` is
+/// open on: a whole-file `F_OFD_GETLK` through `file`'s own description, which holds no
+/// lock. Every attached client holds one on its slot's byte (and a creator on byte 0
+/// until it is attached), so "no lock" means no live process is attached, whatever
+/// layout the file has. If the kernel cannot tell, it counts as locked.
+pub(crate) fn any_lock_held(file: &File) -> bool {
+    // SAFETY: flock is plain old data; all-zero is a valid value (l_pid must be 0 for OFD
+    // locks; l_start = l_len = 0 is the whole file).
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: `file` is an open descriptor for the duration of the call; `fl` is a valid
+    // flock the kernel reads and writes.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
+    rc == -1 || fl.l_type != libc::F_UNLCK as libc::c_short
+}
+
 impl Drop for LockFile {
     fn drop(&mut self) {
         // In a forked child the fork handler has closed the descriptor and emptied the

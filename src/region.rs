@@ -17,6 +17,7 @@
 
 use crate::error::{Error, Result};
 use crate::layout::{Superblock, PAGE};
+use crate::liveness::LockFile;
 use memmap2::{MmapOptions, MmapRaw};
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -295,7 +296,9 @@ impl Mapping {
         }
     }
 
-    /// Creates a named store file: reserve, map, write the superblock, then publish the name.
+    /// Creates a named store file: reserve, map, write the superblock, lock byte 0, then
+    /// publish the name. The lock (returned) shows the store in use until its creator
+    /// has attached and holds a slot lock of its own: drop it after that.
     pub(crate) fn create_named(
         dir: &Path,
         name: &str,
@@ -304,7 +307,7 @@ impl Mapping {
         huge: HugePages,
         prefault: bool,
         progress: bool,
-    ) -> Result<Mapping> {
+    ) -> Result<(Mapping, LockFile)> {
         check_name(name)?;
         let path = dir.join(name);
         if path.exists() {
@@ -353,10 +356,20 @@ impl Mapping {
         let map = map(&file, len, &tmp).map_err(cleanup)?;
         let m = Mapping::finish(map, file, Some(path.clone()), huge, prefault);
         m.write_superblock(sb);
+        // Until the creator holds its slot's lock, this one tells `remove_if_unused` (which
+        // looks for any lock) that the new name is in use.
+        let creating = LockFile::open(&m.file, Some(&tmp)).map_err(cleanup)?;
+        if !creating.try_lock(0) {
+            return Err(cleanup(Error::Io {
+                op: "lock",
+                path: tmp.clone(),
+                source: io::Error::last_os_error(),
+            }));
+        }
         match std::fs::hard_link(&tmp, &path) {
             Ok(()) => {
                 let _ = std::fs::remove_file(&tmp);
-                Ok(m)
+                Ok((m, creating))
             }
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
                 Err(cleanup(Error::StoreExists { path }))
@@ -556,3 +569,33 @@ fn check_name(name: &str) -> Result<()> {
 }
 
 const _: () = assert!(PAGE == 4096);
+
+#[cfg(all(test, not(miri)))]
+mod tests {
+    use super::*;
+    use crate::layout::Params;
+
+    #[test]
+    fn a_new_name_is_locked_until_its_creator_lets_go() {
+        // `remove_if_unused` must not take a store whose creator has published its name
+        // but not attached yet: the name appears with byte 0 locked.
+        let sb = Params {
+            heap_size: 1 << 20,
+            table_slots: 64,
+            max_clients: 4,
+        }
+        .layout()
+        .unwrap();
+        let dir = Path::new("/dev/shm");
+        let name = format!("shmstore-region-lock-{}", std::process::id());
+        let (m, creating) =
+            Mapping::create_named(dir, &name, &sb, 0o600, HugePages::Off, false, false).unwrap();
+        let path = dir.join(&name);
+        let look = || crate::liveness::any_lock_held(&File::open(&path).unwrap());
+        assert!(look());
+        drop(creating);
+        assert!(!look());
+        drop(m);
+        std::fs::remove_file(&path).unwrap();
+    }
+}

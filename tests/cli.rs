@@ -131,6 +131,28 @@ fn ls_streams_every_object_and_stops_at_its_limit() {
 }
 
 #[test]
+fn rm_removes_a_store_of_an_older_version() {
+    // After an upgrade, a store left by the old version cannot be opened, but `rm` still
+    // knows it for a store (its magic) and removes it.
+    let name = unique_name("old-version");
+    let s = Store::create(&name, &StoreConfig::with_capacity(1 << 20)).unwrap();
+    let path = s.path().unwrap().to_path_buf();
+    drop(s);
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.seek(SeekFrom::Start(8)).unwrap();
+        f.write_all(&3u32.to_le_bytes()).unwrap();
+    }
+    let (ok, _, err) = shmstore(&["stat", &name]);
+    assert!(!ok && err.contains("version"), "{err}");
+    let (ok, out, err) = shmstore(&["rm", &name]);
+    assert!(ok, "{err}");
+    assert!(out.contains("a store of layout version 3"), "{out}");
+    assert!(!path.exists());
+}
+
+#[test]
 fn rm_refuses_files_that_are_not_stores() {
     let path = std::path::PathBuf::from("/dev/shm").join(unique_name("notastore"));
     std::fs::write(&path, b"precious data").unwrap();

@@ -1,8 +1,9 @@
 //! Crash recovery with real processes killed by SIGKILL: pins and unfinished creations of
 //! the dead come back, getters of a dead creator fail fast with `CreatorDied`, a full
 //! store reclaims what the dead held, a new process takes over a dead client's slot, and
-//! a store can remove itself when its last client leaves, and a recoverer killed midway is
-//! finished by the next one.
+//! a store can remove itself when its last client leaves, a store whose processes all
+//! died is removed by `remove_if_unused` (of any layout version), and a recoverer killed
+//! midway is finished by the next one.
 
 mod common;
 
@@ -292,6 +293,66 @@ fn a_store_left_by_a_crashed_run_is_detected_and_reused() {
     let st = reopened.stats();
     assert_eq!(st.recovered_clients, 1, "{st:?}");
     assert_eq!(&*reopened.try_get(&id).unwrap(), b"kept");
+}
+
+#[test]
+fn a_store_whose_processes_all_died_is_removed_and_one_in_use_is_not() {
+    let (store, c) = new_store("remove-unused", StoreConfig::with_capacity(1 << 20));
+    let mut p = child("attach", &store, &[]);
+    assert_eq!(p.recv(), "attached");
+    drop(store);
+    // The child is attached (and alive): the store stays.
+    assert!(!Store::remove_if_unused(&c.0).unwrap());
+    assert!(c.0.exists());
+    kill(p);
+    // It died with its slot taken (the table still names it); the kernel dropped its
+    // lock, and that is what counts.
+    assert!(Store::remove_if_unused(&c.0).unwrap());
+    assert!(!c.0.exists());
+}
+
+#[test]
+fn a_store_of_another_layout_version_is_removed_once_unused() {
+    // Stores made by an older shmstore cannot be opened after an upgrade; left by a
+    // crashed instance, they are still found unused and removed.
+    let (store, c) = new_store("remove-old", StoreConfig::with_capacity(1 << 20));
+    let mut p = child("attach", &store, &[]);
+    assert_eq!(p.recv(), "attached");
+    drop(store);
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new().write(true).open(&c.0).unwrap();
+        f.seek(SeekFrom::Start(8)).unwrap();
+        f.write_all(&4u32.to_le_bytes()).unwrap();
+    }
+    assert!(matches!(
+        Store::open_path(&c.0),
+        Err(Error::VersionMismatch { found: 4, .. })
+    ));
+    assert!(
+        !Store::remove_if_unused(&c.0).unwrap(),
+        "the child is attached"
+    );
+    kill(p);
+    assert!(Store::remove_if_unused(&c.0).unwrap());
+    assert!(!c.0.exists());
+}
+
+#[test]
+fn remove_if_unused_leaves_files_that_are_not_stores_alone() {
+    let path = std::path::PathBuf::from("/dev/shm").join(common::unique_name("not-a-store"));
+    let _c = Cleanup(path.clone());
+    std::fs::write(&path, b"SHMSTORX and then some bytes").unwrap();
+    assert!(matches!(
+        Store::remove_if_unused(&path),
+        Err(Error::NotAStore { .. })
+    ));
+    std::fs::write(&path, b"SHMS").unwrap();
+    assert!(matches!(
+        Store::remove_if_unused(&path),
+        Err(Error::NotAStore { .. })
+    ));
+    assert!(path.exists());
 }
 
 #[test]

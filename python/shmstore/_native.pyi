@@ -183,6 +183,10 @@ class Store:
         populate_in_background: bool = False,
     ) -> Store:
         """Opens an existing store by name (in /dev/shm) or path."""
+    @staticmethod
+    def remove_if_unused(name: str) -> bool:
+        """Removes the store (by name in /dev/shm, or path) if no live process is attached,
+        whatever shmstore version made it; True if removed. ``Corrupted`` for other files."""
     def put(self, id: _ObjectIdLike, data: Buffer, meta: Buffer | None = None) -> None:
         """Copies any C-contiguous buffer into a new sealed object."""
     def create_object(

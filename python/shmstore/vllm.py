@@ -288,8 +288,10 @@ def store_name() -> str:
 
 def remove_stale_stores(directory: str = "/dev/shm") -> list[str]:
     """Removes stores left by vLLM instances that crashed: every ``shmstore-vllm-*``
-    store with no live process attached (dead ones are recovered on the way). Returns
-    the names removed. A store in use is never touched: attaching shows its live clients.
+    store no live process is attached to, including stores of an older shmstore version
+    (after an upgrade they cannot be opened, only removed). Returns the names removed. A
+    store in use is never touched: every attached process holds a lock on a byte of the
+    file, which the kernel drops when it dies (``Store.remove_if_unused``).
     """
     removed: list[str] = []
     try:
@@ -302,17 +304,11 @@ def remove_stale_stores(directory: str = "/dev/shm") -> list[str]:
             current and (name == current or name.startswith(f"{current}-node-"))
         ):
             continue  # not ours, or this instance's (its store, or a node store of it)
-        path = os.path.join(directory, name)
         try:
-            s = _native.Store.open(path, prefault=False)
-        except _native.ShmstoreError:
-            continue  # not a store of ours, another version, or just removed
-        try:
-            if s.stats()["clients"] == 1:  # only us: everyone else is dead
-                s.unlink()
+            if _native.Store.remove_if_unused(os.path.join(directory, name)):
                 removed.append(name)
-        finally:
-            del s
+        except (_native.ShmstoreError, OSError):
+            continue  # not a store, or just removed by another instance
     if removed:
         logger.info("shmstore: removed %d store(s) left by crashed vLLM instances: %s",
                     len(removed), ", ".join(removed))

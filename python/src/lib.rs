@@ -661,6 +661,15 @@ impl PyStore {
         })
     }
 
+    /// Removes the store ``name`` (in /dev/shm, or a path) if no live process is attached,
+    /// whatever shmstore version made it; True if removed. Raises ``Corrupted`` for a file
+    /// that is not a store (left alone).
+    #[staticmethod]
+    fn remove_if_unused(name: &str) -> PyResult<bool> {
+        let (dir, file) = dir_and_name(name);
+        Store::remove_if_unused(dir.join(file)).map_err(err)
+    }
+
     /// Copies any C-contiguous buffer (bytes, numpy array, memoryview...) into a new
     /// sealed object: exactly one copy, without the GIL for large buffers.
     #[pyo3(signature = (id, data, meta=None))]

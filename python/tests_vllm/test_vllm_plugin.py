@@ -11,6 +11,7 @@ import textwrap
 import pytest
 from harness import make_config
 
+import shmstore
 from shmstore import vllm as sv
 
 
@@ -108,22 +109,32 @@ def test_the_store_is_named_once_per_instance_and_removed_at_clean_shutdown(monk
 
 
 def test_a_store_left_by_a_crashed_instance_is_removed_at_the_next_start(store_env):
+    # Two crashed instances: one of this shmstore, one of an older version (after an
+    # upgrade, its store cannot be opened any more, but must not leak either).
     crashed = f"shmstore-vllm-999999-{os.getpid()}"
-    r = run(
-        """
-        import os, shmstore
-        s = shmstore.Store.create(os.environ["CRASHED"], 1 << 20)
-        s.put("x", b"y")
-        os._exit(0)   # no cleanup: as if killed
-        """,
-        {"CRASHED": crashed},
-    )
-    assert r.returncode == 0, r.stderr
-    assert os.path.exists(f"/dev/shm/{crashed}")
+    older = f"shmstore-vllm-999998-{os.getpid()}"
+    for name in (crashed, older):
+        r = run(
+            """
+            import os, shmstore
+            s = shmstore.Store.create(os.environ["CRASHED"], 1 << 20)
+            s.put("x", b"y")
+            os._exit(0)   # no cleanup: as if killed
+            """,
+            {"CRASHED": name},
+        )
+        assert r.returncode == 0, r.stderr
+        assert os.path.exists(f"/dev/shm/{name}")
+    with open(f"/dev/shm/{older}", "r+b") as f:
+        f.seek(8)
+        f.write((3).to_bytes(4, "little"))  # the layout version field
+    with pytest.raises(shmstore.Corrupted, match="version"):
+        shmstore.Store.open(older)
     live = sv.open_store(make_config())  # this test's store, in use: must stay
     removed = sv.remove_stale_stores()
-    assert crashed in removed
+    assert {crashed, older} <= set(removed)
     assert not os.path.exists(f"/dev/shm/{crashed}")
+    assert not os.path.exists(f"/dev/shm/{older}")
     assert os.path.exists(f"/dev/shm/{store_env['SHMSTORE_VLLM_STORE']}")
     del live
 

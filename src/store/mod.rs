@@ -118,7 +118,7 @@ impl Store {
     /// ```
     pub fn create(name: &str, cfg: &StoreConfig) -> Result<Store> {
         let sb = Self::superblock_for(cfg)?;
-        let map = Mapping::create_named(
+        let (map, creating) = Mapping::create_named(
             &cfg.dir,
             name,
             &sb,
@@ -127,7 +127,9 @@ impl Store {
             cfg.prefault,
             cfg.progress,
         )?;
-        Self::attach_created(map, sb, cfg)
+        let store = Self::attach_created(map, sb, cfg);
+        drop(creating); // we hold our slot's lock now (or failed, and the name goes)
+        store
     }
 
     /// Creates an anonymous store in a memfd. Share it with [`Store::fd`] (a child opens
@@ -192,6 +194,56 @@ impl Store {
             store.inner.populate_in_background(false);
         }
         Ok(store)
+    }
+
+    /// Removes the store at `path` if no live process is attached to it, whatever version
+    /// of shmstore made it: the cleanup for stores left by programs that crashed, and for
+    /// stores of an older layout after an upgrade (which [`open_path`](Self::open_path)
+    /// refuses with [`Error::VersionMismatch`]). Returns `true` if it removed the name,
+    /// `false` if a live process is attached (the store is left alone).
+    ///
+    /// Every attached process holds a lock on one byte of the file (its client slot's),
+    /// which the kernel drops when the process dies, and a creator holds one from before
+    /// the name appears until it is attached; this asks the kernel whether any byte is
+    /// locked, so it attaches to nothing and reads only the first 12 bytes. A process
+    /// that opens the store in the instant between the check and the removal keeps its
+    /// mapping, but the name is gone. A file that is not a store gives
+    /// [`Error::NotAStore`] and is left alone, as are stores of layout version 1 (which
+    /// took no locks: `false`).
+    ///
+    /// ```
+    /// use shmstore::{Store, StoreConfig};
+    /// let s = Store::create(&format!("doc-stale-{}", std::process::id()), &StoreConfig::with_capacity(1 << 20))?;
+    /// let path = s.path().unwrap().to_path_buf();
+    /// assert!(!Store::remove_if_unused(&path)?); // we are attached
+    /// drop(s);
+    /// assert!(Store::remove_if_unused(&path)?);
+    /// assert!(!path.exists());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn remove_if_unused(path: impl AsRef<Path>) -> Result<bool> {
+        let path = path.as_ref();
+        let io = |op: &'static str| {
+            move |source| Error::Io {
+                op,
+                path: path.to_path_buf(),
+                source,
+            }
+        };
+        let file = std::fs::File::open(path).map_err(io("open"))?;
+        let mut head = [0u8; 12];
+        let n = std::os::unix::fs::FileExt::read_at(&file, &mut head, 0).map_err(io("read"))?;
+        if n < head.len() || head[..8] != crate::layout::MAGIC {
+            return Err(Error::NotAStore {
+                path: path.to_path_buf(),
+            });
+        }
+        let version = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
+        if version < 2 || crate::liveness::any_lock_held(&file) {
+            return Ok(false);
+        }
+        std::fs::remove_file(path).map_err(io("unlink"))?;
+        Ok(true)
     }
 
     /// Removes the store's name; attached processes keep working, and the memory is

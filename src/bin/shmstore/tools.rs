@@ -227,9 +227,36 @@ fn list_to(
 pub fn rm(name: &str) -> Result<(), String> {
     let path = resolve(name);
     // Validate first: never remove a file that is not a shmstore region.
-    let s = attach(name)?;
-    let others = s.stats().clients.saturating_sub(1);
-    drop(s);
+    let others = match Store::open_with(
+        &path,
+        &AttachOptions {
+            prefault: false,
+            read_only: true,
+            recover_on_attach: false,
+            ..Default::default()
+        },
+    ) {
+        Ok(s) => s.stats().clients.saturating_sub(1),
+        // A store of another shmstore version (left from before an upgrade): the magic
+        // says it is one; the kernel's locks say whether anyone is attached.
+        Err(shmstore::Error::VersionMismatch { found, .. }) => {
+            if Store::remove_if_unused(&path).map_err(|e| e.to_string())? {
+                println!(
+                    "removed {} (a store of layout version {found})",
+                    path.display()
+                );
+                return Ok(());
+            }
+            std::fs::remove_file(&path).map_err(|e| format!("removing {}: {e}", path.display()))?;
+            println!(
+                "removed {} (a store of layout version {found}; processes still attached \
+                 keep their mapping until they detach)",
+                path.display()
+            );
+            return Ok(());
+        }
+        Err(e) => return Err(e.to_string()),
+    };
     std::fs::remove_file(&path).map_err(|e| format!("removing {}: {e}", path.display()))?;
     if others > 0 {
         println!(
