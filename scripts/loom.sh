@@ -24,6 +24,8 @@ mutations=(
   "no_gen_bump:loom_lookup_races_delete_and_reuse"
   "no_rollback:loom_page_runs_claim_and_roll_back"
   "summary_stale_read:loom_page_summary_follows_racing_frees"
+  "group_no_recheck:loom_summary_group_mark_races_a_free"
+  "group_relaxed:loom_summary_group_mark_races_a_free"
   "pin_acqrel:loom_pin_races_delete_frees_once"
   "evict_pinned:loom_eviction_races_pin"
   "full_without_retry:loom_full_only_when_no_run_is_free"

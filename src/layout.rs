@@ -13,7 +13,8 @@
 //!          wait buckets      WAIT_BUCKETS x 64 B   futex words for blocked gets
 //!          alloc hints       (CLASSES + 3) x 64 B  current slab per class, cursor, claims
 //!          page bitmap       pages / 64 words      1 bit per 4 KiB heap page
-//!          page summary      pages / 4096 words    1 bit per bitmap word: "holds a taken page"
+//!          page summary      pages / 4096 words    1 bit per bitmap word: "holds a taken page",
+//!                            + 1/64 of that        then 1 bit per summary word: "all ones"
 //!          slab descriptors  slabs x 136 B         state + block bitmap per 64 KiB unit
 //!          partial bitmaps   CLASSES x slabs/64    "slab of class c may have a free block"
 //!          table buckets     slots x 8 B           neighbourhood bitmaps (two bins each)
@@ -119,9 +120,11 @@ pub(crate) struct Params {
 /// Section offsets computed from [`Params`].
 pub(crate) type Layout = Superblock;
 
-/// Words of the page summary for a heap of `pages` pages: one bit per page-bitmap word.
+/// Words of the page summary for a heap of `pages` pages: one bit per page-bitmap word,
+/// then its second level, one bit per summary word.
 pub(crate) fn summary_words(pages: u64) -> u64 {
-    pages.div_ceil(64).div_ceil(64)
+    let first = pages.div_ceil(64).div_ceil(64);
+    first + first.div_ceil(64)
 }
 
 fn align_up(x: u64, a: u64) -> u64 {

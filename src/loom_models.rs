@@ -496,6 +496,43 @@ fn loom_page_summary_follows_racing_frees() {
     });
 }
 
+/// The page summary's second level: a claim fills the last empty word of a 16 MiB group
+/// (which marks the group full, then looks again) while a free empties another word of
+/// it (which clears the mark if the group was full). Whatever the order, the group must
+/// not end marked full with an empty word in it: best fit would pass over the group.
+#[test]
+fn loom_summary_group_mark_races_a_free() {
+    // (A 16 MiB heap is some 4 500 atomics to create: more branches than the default.)
+    let mut model = loom::model::Builder::new();
+    model.max_branches = 1 << 16;
+    model.check(|| {
+        // 16 MiB: 64 page words, one summary word. Words 0-61 wholly taken, word 62 is
+        // one 20-page block, word 63 empty; first fit starts at word 63.
+        let h = Arc::new(HeapAllocator::new(4096 * PAGE));
+        for w in &h.pages[..62] {
+            w.store(u64::MAX, Ordering::Relaxed);
+        }
+        h.pages[62].store((1 << 20) - 1, Ordering::Relaxed);
+        h.summary[0].store(u64::MAX >> 1, Ordering::Relaxed);
+        h.hints[crate::layout::CLASSES as usize]
+            .0
+            .store(63 * 64, Ordering::Relaxed);
+        let block = Block {
+            offset: 62 * 64 * PAGE,
+            size: 20 * PAGE,
+            kind: crate::alloc::BlockKind::Pages,
+        };
+        let t = {
+            let h = h.clone();
+            thread::spawn(move || h.get().free(block).unwrap())
+        };
+        let got = h.get().alloc(10 * PAGE).unwrap();
+        assert_eq!(got.offset, 63 * 64 * PAGE);
+        t.join().unwrap();
+        h.get().audit().unwrap();
+    });
+}
+
 /// The next owner of a page run synchronises with its previous owner: what the previous
 /// owner did with the memory (a loom cell here) happens before the next owner's first
 /// access, through the free's Release and the claim's Acquire.

@@ -15,8 +15,8 @@
 //! [`Allocator::audit`]).
 //!
 //! Invariants (checked by [`Allocator::audit`] in tests):
-//! * a page word with no taken page has its summary bit clear, once no free is in
-//!   progress (see [`pages`]);
+//! * a page word with no taken page has its summary bit clear, and a summary word marked
+//!   full (second level) is all ones, once no free is in progress (see [`pages`]);
 //! * bits set in a slab's bitmap <= its `live` count (claimers reserve before setting, freers
 //!   clear before releasing);
 //! * a slab unit whose `state` is 0 has an all-zero block bitmap;
@@ -50,6 +50,11 @@ pub(crate) const CLASS_SIZES: [u64; CLASSES as usize] = [
 /// mutations weaken them, for docs/verification.md.
 const PAGE_FREE: Ordering =
     crate::sync::weakened_by("free_relaxed", Ordering::AcqRel, Ordering::Relaxed);
+/// The ordering of the page summary's second-level RMWs: a claim that fills a summary word
+/// must see, after marking it full, a free that emptied a word of it and cleared the mark
+/// just before (mutation `group_relaxed`, docs/verification.md).
+const GROUP_MARK: Ordering =
+    crate::sync::weakened_by("group_relaxed", Ordering::AcqRel, Ordering::Relaxed);
 const SLAB_FREE: Ordering =
     crate::sync::weakened_by("slab_free_relaxed", Ordering::AcqRel, Ordering::Relaxed);
 const SLAB_FREE_FAIL: Ordering =
@@ -174,6 +179,8 @@ pub(crate) struct Allocator<'a> {
     /// The page summary: one bit per page-bitmap word, set while that word holds a
     /// taken page (see [`pages`] for when it may lag).
     summary: &'a [AtomicU64],
+    /// Its second level: one bit per summary word, set while that word is all ones.
+    groups: &'a [AtomicU64],
     npages: u64,
     slabs: &'a [SlabDesc],
     partial: &'a [AtomicU64],
@@ -204,7 +211,11 @@ impl<'a> Allocator<'a> {
         hints: &'a [Padded<AtomicU64>],
     ) -> Self {
         debug_assert!(pages.len() as u64 * 64 >= npages);
-        debug_assert_eq!(summary.len(), pages.len().div_ceil(64));
+        debug_assert_eq!(
+            summary.len() as u64,
+            crate::layout::summary_words(pages.len() as u64 * 64)
+        );
+        let (summary, groups) = summary.split_at(pages.len().div_ceil(64));
         debug_assert_eq!(slabs.len() as u64, npages / PAGES_PER_SLAB);
         debug_assert_eq!(hints.len() as u64, HINTS);
         let partial_words = slabs.len().div_ceil(64);
@@ -212,6 +223,7 @@ impl<'a> Allocator<'a> {
         Self {
             pages,
             summary,
+            groups,
             npages,
             slabs,
             partial,
@@ -410,10 +422,8 @@ impl<'a> Allocator<'a> {
 
     /// Checks the allocator's invariants; for tests and `shmstore` diagnostics.
     pub(crate) fn audit(&self) -> Result<()> {
-        if let Some(w) = self.hidden_empty_word() {
-            return Err(corrupted(format!(
-                "page word {w} is empty but the page summary says it holds taken pages"
-            )));
+        if let Some(what) = self.summary_hides() {
+            return Err(corrupted(what));
         }
         for (s, d) in self.slabs.iter().enumerate() {
             let st = d.state.load(Ordering::Relaxed);
@@ -470,7 +480,7 @@ pub(crate) mod testing {
             let zeros = |n: usize| (0..n).map(|_| AtomicU64::new(0)).collect::<Vec<_>>();
             Self {
                 pages: zeros(npages.div_ceil(64) as usize),
-                summary: zeros(npages.div_ceil(64).div_ceil(64) as usize),
+                summary: zeros(crate::layout::summary_words(npages) as usize),
                 npages,
                 slabs: (0..nslabs).map(|_| SlabDesc::default()).collect(),
                 partial: zeros(nslabs.div_ceil(64) * CLASSES as usize),

@@ -22,7 +22,12 @@
 //! word raced with a claim that refilled it), which only costs a search a load, and is
 //! set on an empty word only for a moment while a free is finishing, or for good if the
 //! freer died there; the leak sweep owed for that death clears it again
-//! ([`repair_summary`](Allocator::repair_summary)).
+//! ([`repair_summary`](Allocator::repair_summary)). A second level, one bit per summary
+//! word (16 MiB of heap), is set while that summary word is all ones, so the search passes
+//! over 1 GiB of taken words per load: the claim that fills a summary word sets it and
+//! then looks again (clearing it if a free emptied a word meanwhile), and a free that
+//! takes a summary word from full clears it, both with AcqRel RMWs, so the look sees the
+//! free whenever the free's clear came first.
 //!
 //! Invariants: a set bit is a page some block owns (a page run, or a slab's pages); a
 //! claimer owns exactly the bits its CASes set, and gives back exactly those on rollback
@@ -145,15 +150,32 @@ impl Allocator<'_> {
     }
 
     /// Sets page word `w`'s summary bit: it holds a taken page (our claim just made it
-    /// non-empty).
+    /// non-empty). If that fills its summary word, marks the summary word full too.
     fn mark_occupied(&self, w: usize) {
-        self.summary[w / 64].fetch_or(1 << (w % 64), Ordering::Relaxed);
+        let (g, bit) = (w / 64, 1u64 << (w % 64));
+        let before = self.summary[g].fetch_or(bit, Ordering::Relaxed);
+        if before != u64::MAX && before | bit == u64::MAX {
+            // A free may have emptied a word of this group and cleared the group's bit
+            // just before we set it: look again after setting it. (Our AcqRel RMW then
+            // reads that free's Release clear, so the look sees its word's change.)
+            self.groups[g / 64].fetch_or(1 << (g % 64), GROUP_MARK);
+            if self.summary[g].load(Ordering::Relaxed) != u64::MAX
+                && !crate::sync::mutation("group_no_recheck")
+            {
+                self.groups[g / 64].fetch_and(!(1 << (g % 64)), GROUP_MARK);
+            }
+        }
     }
 
-    /// Clears page word `w`'s summary bit: our free just left it empty. Clearing is
-    /// always safe: a clear bit only means "look at the word".
+    /// Clears page word `w`'s summary bit: our free just left it empty. If its summary word
+    /// was full, clears that group's bit too. Clearing is always safe: a clear bit only
+    /// means "look".
     fn mark_empty(&self, w: usize) {
-        self.summary[w / 64].fetch_and(!(1 << (w % 64)), Ordering::Relaxed);
+        let (g, bit) = (w / 64, 1u64 << (w % 64));
+        let before = self.summary[g].fetch_and(!bit, Ordering::Relaxed);
+        if before == u64::MAX {
+            self.groups[g / 64].fetch_and(!(1 << (g % 64)), GROUP_MARK);
+        }
     }
 
     /// Whether page word `w` may have no taken page: its summary bit is clear.
@@ -161,30 +183,57 @@ impl Allocator<'_> {
         self.summary[w / 64].load(Ordering::Relaxed) >> (w % 64) & 1 == 0
     }
 
+    /// Whether summary word `g` is marked full (every page word of its 16 MiB holds a
+    /// taken page).
+    fn group_full(&self, g: usize) -> bool {
+        self.groups[g / 64].load(Ordering::Relaxed) >> (g % 64) & 1 == 1
+    }
+
+    /// The first summary word in `[g, end)` not marked full, or `end`.
+    fn next_open_group(&self, g: usize, end: usize) -> usize {
+        if g >= end {
+            return end;
+        }
+        let mut x = g / 64;
+        let mut bits = !self.groups[x].load(Ordering::Relaxed) & range_mask(g as u64 % 64, 64);
+        loop {
+            if bits != 0 {
+                return (x * 64 + bits.trailing_zeros() as usize).min(end);
+            }
+            x += 1;
+            if x * 64 >= end {
+                return end;
+            }
+            bits = !self.groups[x].load(Ordering::Relaxed);
+        }
+    }
+
     /// The first page word in `[w, end)` that may have no taken page (its summary bit is
-    /// clear), or `end`.
+    /// clear), or `end`: summary words marked full are passed over 64 at a time.
     fn next_maybe_empty(&self, w: usize, end: usize) -> usize {
         if w >= end {
             return end;
         }
-        let mut s = w / 64;
-        let mut bits = !self.summary[s].load(Ordering::Relaxed) & range_mask(w as u64 % 64, 64);
+        let groups_end = end.div_ceil(64);
+        let mut g = w / 64;
+        let mut bits = !self.summary[g].load(Ordering::Relaxed) & range_mask(w as u64 % 64, 64);
         loop {
             if bits != 0 {
-                return (s * 64 + bits.trailing_zeros() as usize).min(end);
+                return (g * 64 + bits.trailing_zeros() as usize).min(end);
             }
-            s += 1;
-            if s * 64 >= end {
+            g = self.next_open_group(g + 1, groups_end);
+            if g >= groups_end {
                 return end;
             }
-            bits = !self.summary[s].load(Ordering::Relaxed);
+            bits = !self.summary[g].load(Ordering::Relaxed);
         }
     }
 
-    /// Clears the summary bit of every empty page word. A freer killed between emptying a
-    /// word and clearing its bit leaves the word hidden from best fit; the leak sweep
-    /// owed for its death calls this. Safe at any time (see [`mark_empty`](Self::mark_empty)).
-    /// Returns the number of bits cleared.
+    /// Clears the summary bit of every empty page word, then the group bit of every
+    /// summary word that is not full. A freer killed between emptying a word and clearing
+    /// its bits leaves the word hidden from best fit; the leak sweep owed for its death
+    /// calls this. Safe at any time (see [`mark_empty`](Self::mark_empty)). Returns the
+    /// number of bits cleared.
     pub(crate) fn repair_summary(&self) -> u64 {
         let mut cleared = 0;
         for (w, word) in self.pages.iter().enumerate() {
@@ -193,14 +242,29 @@ impl Allocator<'_> {
                 cleared += 1;
             }
         }
+        for (g, word) in self.summary.iter().enumerate() {
+            if self.group_full(g) && word.load(Ordering::Relaxed) != u64::MAX {
+                self.groups[g / 64].fetch_and(!(1 << (g % 64)), GROUP_MARK);
+                cleared += 1;
+            }
+        }
         cleared
     }
 
-    /// The first empty page word whose summary bit is set (hidden from best fit): for
-    /// audits, where no free is in progress and no freer died.
-    pub(super) fn hidden_empty_word(&self) -> Option<usize> {
-        (0..self.pages.len())
+    /// What hides free space from best fit, for audits (where no free is in progress and
+    /// no freer died): an empty page word whose summary bit is set, or a summary word
+    /// marked full that is not.
+    pub(super) fn summary_hides(&self) -> Option<String> {
+        if let Some(w) = (0..self.pages.len())
             .find(|&w| !self.maybe_empty(w) && self.pages[w].load(Ordering::Relaxed) == 0)
+        {
+            return Some(format!(
+                "page word {w} is empty but the page summary says it holds taken pages"
+            ));
+        }
+        (0..self.summary.len())
+            .find(|&g| self.group_full(g) && self.summary[g].load(Ordering::Relaxed) != u64::MAX)
+            .map(|g| format!("summary word {g} is marked full but is not"))
     }
 
     /// Finds and claims `n` pages whose first index is a multiple of `align`.
@@ -311,8 +375,9 @@ impl Allocator<'_> {
     /// pages, so a run that fits holds a whole free word, and a word with taken pages can
     /// only end a run (its free low pages) or start one (its free high pages); the runs
     /// inside it are too short to matter. So the words the page summary marks as holding
-    /// taken pages are passed over 64 at a time, free words 8 at a time, and the words
-    /// read are those at the edges of the empty ones.
+    /// taken pages are passed over 64 at a time (4096 at a time where its second level
+    /// marks a summary word full), free words 8 at a time, and the words read are those
+    /// at the edges of the empty ones.
     pub(super) fn best_run(&self, n: u64, from: u64, idle: &[IdleSlab]) -> Option<u64> {
         debug_assert!(n >= 127, "best fit serves runs of BEST_FIT_PAGES or more");
         let words = self.npages.div_ceil(64) as usize;

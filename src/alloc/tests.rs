@@ -172,7 +172,7 @@ fn best_run_page_by_page(free: &[bool], n: u64, from: u64) -> Option<u64> {
 fn best_fit_finds_the_run_a_page_by_page_scan_finds() {
     // A heap of 2 GiB and a bit (the window is 1 GiB, the last word partial), with
     // random free and taken runs from 1 page to 100 000, idle slabs among them, and a
-    // page summary that lags behind on one word in eight.
+    // page summary (both levels) that lags behind on one word in eight.
     // Under miri, which checks the accesses rather than the result, 16 MiB and one
     // round.
     let npages = if cfg!(miri) {
@@ -185,7 +185,7 @@ fn best_fit_finds_the_run_a_page_by_page_scan_finds() {
     h.pages = (0..npages.div_ceil(64))
         .map(|_| AtomicU64::new(0))
         .collect();
-    h.summary = (0..npages.div_ceil(64).div_ceil(64))
+    h.summary = (0..crate::layout::summary_words(npages))
         .map(|_| AtomicU64::new(0))
         .collect();
     let a = h.get();
@@ -197,7 +197,7 @@ fn best_fit_finds_the_run_a_page_by_page_scan_finds() {
         rng % m
     };
     for round in 0..if cfg!(miri) { 1 } else { 12 } {
-        for w in a.pages.iter().chain(a.summary) {
+        for w in a.pages.iter().chain(a.summary).chain(a.groups) {
             w.store(0, Ordering::Relaxed);
         }
         let mut free = vec![true; npages as usize];
@@ -226,6 +226,12 @@ fn best_fit_finds_the_run_a_page_by_page_scan_finds() {
         for (w, word) in a.pages.iter().enumerate() {
             if word.load(Ordering::Relaxed) != 0 && next(8) != 0 {
                 a.summary[w / 64].fetch_or(1 << (w % 64), Ordering::Relaxed);
+            }
+        }
+        // Its second level likewise: a bit for every full summary word, but one in eight.
+        for (g, word) in a.summary.iter().enumerate() {
+            if word.load(Ordering::Relaxed) == u64::MAX && next(8) != 0 {
+                a.groups[g / 64].fetch_or(1 << (g % 64), Ordering::Relaxed);
             }
         }
         // Some wholly taken slab units count as idle (free for best fit): 8 anywhere,
@@ -326,12 +332,41 @@ fn best_fit_reads_the_words_of_idle_slabs_the_summary_marks_taken() {
             a.summary[w / 64].fetch_or(1 << (w % 64), Ordering::Relaxed);
         }
     }
+    // (Word 11 is empty, so the one summary word is not full.)
+    assert_eq!(a.groups[0].load(Ordering::Relaxed), 0);
     let mut idle = IdleSlabs::default();
     for slab in 36..44 {
         idle.push(IdleSlab { slab, class: 0 });
     }
     assert_eq!(a.best_run(192, 0, idle.as_slice()), Some(9 * 64));
     assert_eq!(a.best_run(193, 0, idle.as_slice()), None);
+}
+
+#[test]
+fn best_fit_searches_to_the_end_of_a_heap_whose_summary_fills_its_last_group_word() {
+    // 1 GiB (16 MiB under miri): the summary's words end exactly at the end of a
+    // second-level word, the edge where a search that runs off the end must stop. The
+    // heap is cut into 256 KiB runs (one page word each), all taken but the first word
+    // of the last 16 MiB: the search passes over the full groups, finds that word too
+    // short, and must end there.
+    let size: u64 = if cfg!(miri) { 16 << 20 } else { 1 << 30 };
+    let h = HeapAllocator::new(size);
+    let a = h.get();
+    let mut runs: Vec<_> = (0..size / (256 << 10))
+        .map(|_| a.alloc(256 << 10).unwrap())
+        .collect();
+    let last_group = runs.len() - 64;
+    a.free(runs.remove(last_group)).unwrap();
+    assert_eq!(a.try_alloc(1 << 20).unwrap(), None);
+    // Free the next three words too: now 1 MiB fits there, and nowhere else.
+    for _ in 0..3 {
+        a.free(runs.remove(last_group)).unwrap();
+    }
+    let got = a.alloc(1 << 20).unwrap();
+    assert_eq!(got.offset, size - (16 << 20));
+    a.free(got).unwrap();
+    runs.into_iter().for_each(|b| a.free(b).unwrap());
+    a.audit().unwrap();
 }
 
 #[test]
@@ -357,9 +392,14 @@ fn the_page_summary_follows_claims_frees_and_a_dead_freer() {
     // owed for that death) gives them back.
     let first = a.alloc(256 << 10).unwrap();
     let rest = a.alloc((16 << 20) - (256 << 10)).unwrap();
+    // Every word holds a taken page: the summary word is full, and marked so.
+    assert_eq!(a.summary[0].load(Ordering::Relaxed), u64::MAX);
+    assert_eq!(a.groups[0].load(Ordering::Relaxed), 1);
     a.free(rest).unwrap();
+    assert_eq!(a.groups[0].load(Ordering::Relaxed), 0);
     // (The freer died before it lowered the low-water mark, too.)
     a.summary[0].store(u64::MAX, Ordering::Relaxed);
+    a.groups[0].store(1, Ordering::Relaxed);
     a.cursor().store(4096, Ordering::Relaxed);
     assert!(a.audit().unwrap_err().to_string().contains("page word 1 "));
     assert_eq!(a.try_alloc(15 << 20).unwrap(), None);
