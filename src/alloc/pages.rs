@@ -40,6 +40,20 @@
 use super::slab::IdleSlab;
 use super::*;
 
+/// The page-bitmap words that pages `[first, end)` cover, in ascending order, each with
+/// the mask of those pages' bits in it.
+fn word_masks(first: u64, end: u64) -> impl Iterator<Item = (usize, u64)> {
+    let mut p = first;
+    std::iter::from_fn(move || {
+        (p < end).then(|| {
+            let w = p / 64;
+            let mask = range_mask(p % 64, (end - w * 64).min(64));
+            p = (w + 1) * 64;
+            (w as usize, mask)
+        })
+    })
+}
+
 impl Allocator<'_> {
     pub(super) fn cursor(&self) -> &AtomicU64 {
         &self.hints[CLASSES as usize].0
@@ -95,18 +109,13 @@ impl Allocator<'_> {
     }
 
     pub(super) fn claim_run_uncounted(&self, first: u64, n: u64) -> std::result::Result<(), u64> {
-        let end = first + n;
-        let mut p = first;
-        while p < end {
-            let w = (p / 64) as usize;
-            let hi = (end - (w as u64) * 64).min(64);
-            let mask = range_mask(p % 64, hi);
+        for (w, mask) in word_masks(first, first + n) {
             let mut cur = self.pages[w].load(Ordering::Relaxed);
             loop {
                 if cur & mask != 0 {
                     let taken = (w as u64) * 64 + (cur & mask).trailing_zeros() as u64;
                     if !crate::sync::mutation("no_rollback") {
-                        self.release_range(first, p);
+                        self.release_range(first, (w as u64 * 64).max(first));
                     }
                     return Err(taken);
                 }
@@ -125,18 +134,13 @@ impl Allocator<'_> {
                     Err(now) => cur = now,
                 }
             }
-            p = (w as u64 + 1) * 64;
         }
         Ok(())
     }
 
     /// Clears bits `[first, end)` that this thread set (rollback of a partial claim).
     pub(super) fn release_range(&self, first: u64, end: u64) {
-        let mut p = first;
-        while p < end {
-            let w = (p / 64) as usize;
-            let hi = (end - (w as u64) * 64).min(64);
-            let mask = range_mask(p % 64, hi);
+        for (w, mask) in word_masks(first, end) {
             // (The mutation decides from a load before the RMW: two frees in one word
             // then each see the other's pages, and neither clears the bit.)
             let seen = crate::sync::mutation("summary_stale_read")
@@ -145,7 +149,6 @@ impl Allocator<'_> {
             if seen.unwrap_or(before) & !mask == 0 {
                 self.mark_empty(w);
             }
-            p = (w as u64 + 1) * 64;
         }
     }
 
@@ -497,17 +500,12 @@ impl Allocator<'_> {
     pub(super) fn free_pages(&self, first: u64, n: u64) -> Result<()> {
         // Check first so that a bad free changes nothing.
         let end = first + n;
-        let mut p = first;
-        while p < end {
-            let w = (p / 64) as usize;
-            let hi = (end - (w as u64) * 64).min(64);
-            let mask = range_mask(p % 64, hi);
+        for (w, mask) in word_masks(first, end) {
             if self.pages[w].load(Ordering::Relaxed) & mask != mask {
                 return Err(corrupted(format!(
                     "freeing pages {first}..{end} that are not all allocated"
                 )));
             }
-            p = (w as u64 + 1) * 64;
         }
         self.release_range(first, end);
         self.lower_hint(first);
