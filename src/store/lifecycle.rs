@@ -1,0 +1,257 @@
+//! A store's life: creating one (named or anonymous), attaching to one, removing its
+//! name, and the handles on its mapping (path, descriptor, heap, prefault).
+//!
+//! Invariants: a named store's name appears only once its superblock is written and a
+//! lock shows it in use (its creator's, until the creator holds its slot's); the
+//! superblock read from a file is validated before anything else of the file is used
+//! ([`crate::layout`]); `remove_if_unused` removes only files with the store magic that
+//! no live process has locked.
+
+use super::*;
+
+impl Store {
+    /// Creates a named store `dir/name` (default dir `/dev/shm`) and attaches to it.
+    ///
+    /// Fails with [`Error::StoreExists`] if the name is taken and with
+    /// [`Error::InsufficientSpace`] if the file system cannot hold it.
+    ///
+    /// ```
+    /// use shmstore::{Store, StoreConfig};
+    /// let name = format!("doc-create-{}", std::process::id());
+    /// let store = Store::create(&name, &StoreConfig::with_capacity(1 << 20))?;
+    /// assert!(store.path().unwrap().ends_with(&name));
+    /// store.unlink()?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn create(name: &str, cfg: &StoreConfig) -> Result<Store> {
+        let sb = Self::superblock_for(cfg)?;
+        let (map, creating) = Mapping::create_named(
+            &cfg.dir,
+            name,
+            &sb,
+            cfg.mode,
+            cfg.huge_pages,
+            cfg.prefault,
+            cfg.progress,
+        )?;
+        let store = Self::attach_created(map, sb, cfg);
+        drop(creating); // we hold our slot's lock now (or failed, and the name goes)
+        store
+    }
+
+    /// Creates an anonymous store in a memfd. Share it with [`Store::fd`] (a child opens
+    /// `/proc/<pid>/fd/<fd>` with [`Store::open_path`], or receives the descriptor).
+    ///
+    /// ```
+    /// let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// assert!(store.path().is_none());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn create_anonymous(cfg: &StoreConfig) -> Result<Store> {
+        let sb = Self::superblock_for(cfg)?;
+        let map = Mapping::create_memfd(&sb, cfg.huge_pages, cfg.prefault, cfg.progress)?;
+        Self::attach_created(map, sb, cfg)
+    }
+
+    /// The creator attaches, and starts populating the heap in the background.
+    fn attach_created(map: Mapping, sb: Superblock, cfg: &StoreConfig) -> Result<Store> {
+        let store = Self::attach(map, sb, &cfg.attach_options())?;
+        if cfg.populate_in_background && !cfg.prefault {
+            store.inner.populate_in_background(true);
+        }
+        Ok(store)
+    }
+
+    /// Opens the named store `/dev/shm/name`.
+    ///
+    /// ```no_run
+    /// let store = shmstore::Store::open("vllm-mm-cache")?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn open(name: &str) -> Result<Store> {
+        Self::open_path(Path::new("/dev/shm").join(name))
+    }
+
+    /// Opens a store by path (a named store in any directory, or `/proc/PID/fd/N`).
+    ///
+    /// ```
+    /// use shmstore::{Store, StoreConfig};
+    /// let name = format!("doc-open-{}", std::process::id());
+    /// let a = Store::create(&name, &StoreConfig::with_capacity(1 << 20))?;
+    /// let b = Store::open_path(a.path().unwrap())?;
+    /// assert_eq!(b.stats().capacity, a.stats().capacity);
+    /// a.unlink()?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn open_path(path: impl AsRef<Path>) -> Result<Store> {
+        Self::open_with(path, &AttachOptions::default())
+    }
+
+    /// [`open_path`](Self::open_path) with explicit attach options.
+    ///
+    /// ```no_run
+    /// let opts = shmstore::AttachOptions { prefault: false, ..Default::default() };
+    /// let store = shmstore::Store::open_with("/dev/shm/big", &opts)?;
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn open_with(path: impl AsRef<Path>, opts: &AttachOptions) -> Result<Store> {
+        let (map, sb) = Mapping::open(path.as_ref(), opts.huge_pages, opts.prefault)?;
+        let store = Self::attach(map, sb, opts)?;
+        if opts.populate_in_background && !opts.prefault {
+            store.inner.populate_in_background(false);
+        }
+        Ok(store)
+    }
+
+    /// Removes the store at `path` if no live process is attached to it, whatever version
+    /// of shmstore made it: the cleanup for stores left by programs that crashed, and for
+    /// stores of an older layout after an upgrade (which [`open_path`](Self::open_path)
+    /// refuses with [`Error::VersionMismatch`]). Returns `true` if it removed the name,
+    /// `false` if a live process is attached (the store is left alone).
+    ///
+    /// Every attached process holds a lock on one byte of the file (its client slot's),
+    /// which the kernel drops when the process dies, and a creator holds one from before
+    /// the name appears until it is attached; this asks the kernel whether any byte is
+    /// locked, so it attaches to nothing and reads only the first 12 bytes. A process
+    /// that opens the store in the instant between the check and the removal keeps its
+    /// mapping, but the name is gone. A file that is not a store gives
+    /// [`Error::NotAStore`] and is left alone, as are stores of layout version 1 (which
+    /// took no locks: `false`).
+    ///
+    /// ```
+    /// use shmstore::{Store, StoreConfig};
+    /// let s = Store::create(&format!("doc-stale-{}", std::process::id()), &StoreConfig::with_capacity(1 << 20))?;
+    /// let path = s.path().unwrap().to_path_buf();
+    /// assert!(!Store::remove_if_unused(&path)?); // we are attached
+    /// drop(s);
+    /// assert!(Store::remove_if_unused(&path)?);
+    /// assert!(!path.exists());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn remove_if_unused(path: impl AsRef<Path>) -> Result<bool> {
+        let path = path.as_ref();
+        let io = |op: &'static str| {
+            move |source| Error::Io {
+                op,
+                path: path.to_path_buf(),
+                source,
+            }
+        };
+        let file = std::fs::File::open(path).map_err(io("open"))?;
+        let mut head = [0u8; 12];
+        let n = std::os::unix::fs::FileExt::read_at(&file, &mut head, 0).map_err(io("read"))?;
+        if n < head.len() || head[..8] != crate::layout::MAGIC {
+            return Err(Error::NotAStore {
+                path: path.to_path_buf(),
+            });
+        }
+        let version = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
+        if version < 2 || crate::liveness::any_lock_held(&file) {
+            return Ok(false);
+        }
+        std::fs::remove_file(path).map_err(io("unlink"))?;
+        Ok(true)
+    }
+
+    /// Removes the store's name; attached processes keep working, and the memory is
+    /// returned when the last one detaches. No-op for anonymous stores.
+    ///
+    /// ```
+    /// use shmstore::{Store, StoreConfig};
+    /// let s = Store::create(&format!("doc-unlink-{}", std::process::id()), &StoreConfig::with_capacity(1 << 20))?;
+    /// s.unlink()?;
+    /// assert!(!s.path().unwrap().exists());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn unlink(&self) -> Result<()> {
+        match self.inner.map.path() {
+            Some(p) => std::fs::remove_file(p).map_err(|source| Error::Io {
+                op: "unlink",
+                path: p.to_path_buf(),
+                source,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Test hook (see `testing::claim_slot_and_stop`).
+    pub(crate) fn claim_slot_and_stop(path: &Path, take_dead: bool) -> Result<u64> {
+        let (map, sb) = Mapping::open(path, Default::default(), false)?;
+        Inner::claim_and_stop(map, sb, take_dead)
+    }
+
+    fn superblock_for(cfg: &StoreConfig) -> Result<Superblock> {
+        let mut sb = cfg.params().layout()?;
+        if cfg.when_full == WhenFull::Evict {
+            sb.flags |= FLAG_EVICT;
+        }
+        if cfg.remove_when_unused {
+            sb.flags |= FLAG_REMOVE_WHEN_UNUSED;
+        }
+        sb.created_unix_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        sb.checksum = sb.compute_checksum();
+        Ok(sb)
+    }
+
+    fn attach(map: Mapping, sb: Superblock, opts: &AttachOptions) -> Result<Store> {
+        Ok(Store {
+            inner: Inner::attach(map, sb, opts)?,
+        })
+    }
+
+    /// The backing file, if the store is named.
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// assert_eq!(s.path(), None);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn path(&self) -> Option<&Path> {
+        self.inner.map.path()
+    }
+
+    /// The backing file descriptor (to hand an anonymous store to another process).
+    ///
+    /// ```
+    /// use std::os::fd::AsRawFd;
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// let other = shmstore::Store::open_path(format!("/proc/self/fd/{}", s.fd().as_raw_fd()))?;
+    /// assert_eq!(other.stats().clients, 2);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.inner.map.file().as_fd()
+    }
+
+    /// Where this process maps the store's payload heap: `(address, length)`. For
+    /// registering the memory with a device driver (CUDA's `cudaHostRegister`, so that
+    /// copies from views to a GPU run as direct DMA); the range stays mapped while any
+    /// handle of this store lives. In a read-only attach it is mapped read-only.
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// let (addr, len) = s.heap_region();
+    /// assert_eq!((addr as usize % 4096, len), (0, 1 << 20));
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn heap_region(&self) -> (*const u8, usize) {
+        self.inner.heap_region()
+    }
+
+    /// Populates this process's page tables for the whole store now (what
+    /// [`AttachOptions::prefault`] does at attach), so that later first writes into fresh
+    /// blocks take no page faults. Blocks the calling thread for as long as that takes
+    /// (about 0.1-1 s per GiB); run it on a background thread to keep attach instant.
+    ///
+    /// ```
+    /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig { prefault: false, ..shmstore::StoreConfig::with_capacity(1 << 20) })?;
+    /// s.prefault();
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn prefault(&self) {
+        self.inner.map.prefault()
+    }
+}
