@@ -34,13 +34,19 @@ use std::path::{Path, PathBuf};
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum HugePages {
-    /// Normal pages (4 KiB on tmpfs). A named store in a hugetlbfs directory still gets
-    /// that file system's huge pages.
+    /// Whatever the file system gives: 4 KiB pages on a default tmpfs such as /dev/shm.
+    /// A named store in a hugetlbfs directory gets that file system's huge pages, and one
+    /// in a tmpfs mounted with `huge=within_size` (or `huge=always`) gets transparent huge
+    /// pages of 2 MiB wherever the kernel finds them free, with no reservation: the
+    /// easiest way to huge pages (docs/design.md, "Huge pages").
+    /// [`crate::Stats::huge_pages`] and [`crate::Stats::page_size`] say what is in effect.
     #[default]
     Off,
-    /// Ask for transparent huge pages (`MADV_HUGEPAGE`); silently use normal pages where
-    /// the kernel has none for shared memory (`shmem_enabled = never`, the usual default).
-    /// [`crate::Stats::huge_pages`] says what happened.
+    /// Also advise transparent huge pages on the mapping (`MADV_HUGEPAGE`). The kernel
+    /// decides at allocation time: an anonymous store (a memfd) gets them where
+    /// `shmem_enabled` is `within_size` or `always`, a named one where its tmpfs is
+    /// mounted so (as with `Off`). `advise` policies do not take effect, because the
+    /// creator reserves the pages with `fallocate`, outside any mapping.
     Try,
     /// Explicit huge pages (hugetlb), reserved by the administrator
     /// (`sysctl vm.nr_hugepages`): an anonymous store is a `memfd` with `MFD_HUGETLB`; a
@@ -208,14 +214,83 @@ fn map(file: &File, len: u64, path: &Path) -> Result<MmapRaw> {
         .map_err(io_err("mmap", path))
 }
 
-fn shmem_thp_enabled() -> bool {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-        .map(|s| {
-            ["[always]", "[within_size]", "[advise]"]
-                .iter()
-                .any(|m| s.contains(m))
-        })
-        .unwrap_or(false)
+/// `statfs` magic of tmpfs (also of memfds and the kernel's internal shared-memory mount).
+const TMPFS_MAGIC: rustix::fs::FsWord = 0x0102_1994;
+
+/// The kernel's transparent-huge-page policy for its internal shared-memory mount (memfds),
+/// the bracketed word of `/sys/kernel/mm/transparent_hugepage/shmem_enabled`; `deny` and
+/// `force` there override every tmpfs mount too.
+fn shmem_enabled() -> Option<String> {
+    let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").ok()?;
+    let start = s.find('[')? + 1;
+    let end = start + s[start..].find(']')?;
+    Some(s[start..end].to_string())
+}
+
+/// The `huge=` option of the tmpfs mounted as device `major:minor`, from
+/// `/proc/self/mountinfo`: `None` when no such mount is listed (a memfd lives on the
+/// kernel's internal mount), `Some(None)` for a tmpfs mounted without the option.
+fn tmpfs_huge_option(major: u32, minor: u32) -> Option<Option<String>> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    huge_option_in(&info, &format!("{major}:{minor}"))
+}
+
+/// [`tmpfs_huge_option`] on the text of a mountinfo file, for device `dev` ("major:minor").
+fn huge_option_in(info: &str, dev: &str) -> Option<Option<String>> {
+    info.lines().find_map(|line| {
+        let mut fields = line.split(' ');
+        if fields.nth(2) != Some(dev) {
+            return None;
+        }
+        // After the optional fields, " - " then: fstype, source, super options.
+        let (_, tail) = line.split_once(" - ")?;
+        let mut tail = tail.split(' ');
+        if tail.next() != Some("tmpfs") {
+            return None;
+        }
+        let opts = tail.nth(1).unwrap_or("");
+        Some(
+            opts.split(',')
+                .find_map(|o| o.strip_prefix("huge="))
+                .map(str::to_string),
+        )
+    })
+}
+
+/// Whether the kernel gives `file` transparent huge pages (2 MiB, where it can find them
+/// free) when its pages are allocated: a tmpfs mounted with `huge=within_size` or
+/// `huge=always`, or a memfd under `shmem_enabled` `within_size` or `always` (`force`
+/// anywhere). `advise` does not count: the creator reserves the store's pages with
+/// `fallocate`, which has no mapping whose advice the kernel could consult, so it
+/// allocates normal pages (measured: 0 huge pages for a 64 MiB store under `advise`,
+/// with or without `MADV_HUGEPAGE`; docs/design.md, "Huge pages").
+fn thp_backed(file: &File) -> bool {
+    if rustix::fs::fstatfs(file).map_or(true, |st| st.f_type != TMPFS_MAGIC) {
+        return false;
+    }
+    let global = shmem_enabled();
+    match global.as_deref() {
+        Some("deny") => return false,
+        Some("force") => return true,
+        _ => {}
+    }
+    let Ok(st) = rustix::fs::fstat(file) else {
+        return false;
+    };
+    let dev = st.st_dev;
+    let policy = match tmpfs_huge_option(rustix::fs::major(dev), rustix::fs::minor(dev)) {
+        Some(mount) => mount,
+        None => global,
+    };
+    matches!(policy.as_deref(), Some("always" | "within_size"))
+}
+
+/// The size of a transparent huge page (the PMD size), 2 MiB where sysfs does not say.
+fn thp_size() -> u64 {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(2 << 20)
 }
 
 impl Mapping {
@@ -226,19 +301,17 @@ impl Mapping {
         huge: HugePages,
         prefault: bool,
     ) -> Self {
-        let mut huge_ok = false;
         if huge == HugePages::Try {
             // SAFETY: the range is exactly our live mapping; MADV_HUGEPAGE is advisory and
             // does not change its contents.
-            let rc =
-                unsafe { libc::madvise(map.as_mut_ptr().cast(), map.len(), libc::MADV_HUGEPAGE) };
-            huge_ok = rc == 0 && shmem_thp_enabled();
+            unsafe { libc::madvise(map.as_mut_ptr().cast(), map.len(), libc::MADV_HUGEPAGE) };
         }
+        let huge = thp_backed(&file);
         let m = Mapping {
             map,
             file,
             path,
-            huge: huge_ok,
+            huge,
         };
         if prefault {
             m.prefault();
@@ -545,15 +618,21 @@ impl Mapping {
         &self.file
     }
 
-    /// Whether transparent huge pages are in effect.
+    /// Whether the kernel gives this store's file transparent huge pages (see
+    /// `thp_backed`).
     pub(crate) fn huge_pages(&self) -> bool {
         self.huge
     }
 
-    /// The page size of the file system backing the store (`fstatfs`'s block size:
-    /// 4096 on tmpfs, the huge page size on hugetlbfs).
+    /// The page size backing the store: the huge page size on hugetlbfs (`fstatfs`'s
+    /// block size), the transparent huge page size where the kernel gives the file those
+    /// ([`Mapping::huge_pages`]), else 4096.
     pub(crate) fn page_size(&self) -> u64 {
-        fs_of(&self.file).map_or(PAGE, |(_, page)| page)
+        match fs_of(&self.file) {
+            Some((true, page)) => page,
+            _ if self.huge => thp_size(),
+            _ => PAGE,
+        }
     }
 }
 
@@ -597,5 +676,24 @@ mod tests {
         assert!(!look());
         drop(m);
         std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn the_huge_option_of_a_tmpfs_is_read_from_mountinfo() {
+        // Two tmpfs stacked on /dev/shm (the top one remounted with huge pages), a mount
+        // with optional fields before the separator, and a hugetlbfs.
+        let info = "\
+25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24683664k
+30 25 0:27 / /dev/shm rw,relatime shared:7 master:1 - tmpfs tmpfs rw,size=1k,huge=within_size
+45 27 0:40 / /tmp/h rw,relatime - hugetlbfs none rw,pagesize=2M
+46 27 0:41 / /tmp/t rw,relatime - tmpfs none rw,huge=always,size=1048576k
+";
+        let opt = |dev| huge_option_in(info, dev);
+        assert_eq!(opt("0:23"), Some(None), "a tmpfs without the option");
+        assert_eq!(opt("0:27"), Some(Some("within_size".into())));
+        assert_eq!(opt("0:41"), Some(Some("always".into())));
+        assert_eq!(opt("0:40"), None, "not a tmpfs");
+        assert_eq!(opt("0:2"), None, "not listed (a memfd's internal mount)");
+        assert_eq!(huge_option_in("garbage\n\n1 2", "0:23"), None);
     }
 }

@@ -1,11 +1,13 @@
-//! Stores on explicit huge pages (hugetlb): an anonymous store in a `MFD_HUGETLB` memfd and
-//! a named store in a hugetlbfs directory, shared with another process, read-only attach,
-//! and the errors when huge pages are missing.
+//! Stores on huge pages. Explicit ones (hugetlb): an anonymous store in a `MFD_HUGETLB`
+//! memfd and a named store in a hugetlbfs directory, shared with another process,
+//! read-only attach, and the errors when huge pages are missing. Transparent ones: a store
+//! in a tmpfs mounted with `huge=within_size`, whose fresh attach maps 2 MiB pages, and
+//! `Stats::huge_pages` agreeing with the page tables wherever a store lives.
 //!
-//! Huge pages must be reserved by the administrator. Where none are free (or no hugetlbfs
-//! is mounted), the tests that need them say so on stderr and pass without running;
-//! `scripts/hugepages.sh` (run by CI) reserves some and mounts a hugetlbfs for them, and
-//! `SHMSTORE_HUGETLBFS` names the directory to use.
+//! Huge pages must be reserved by the administrator, and a THP tmpfs mounted. Where they
+//! are missing, the tests that need them say so on stderr and pass without running;
+//! `scripts/hugepages.sh` (run by CI) reserves some, mounts a hugetlbfs and a THP tmpfs,
+//! and `SHMSTORE_HUGETLBFS` / `SHMSTORE_THP_DIR` name the directories to use.
 
 mod common;
 
@@ -102,11 +104,67 @@ fn child_entry() {
     let store = Store::open_with(Path::new(&args[0]), &opts).unwrap();
     let id: ObjectId = args[1].parse().unwrap();
     let v = store.get(&id, Duration::from_secs(30)).unwrap();
-    say(format!(
-        "{} {}",
-        store.stats().page_size,
-        blake3::hash(&v).to_hex()
-    ));
+    let hash = blake3::hash(&v).to_hex();
+    if role == "thp" {
+        // A fresh attach that has just read the object: how much of its mapping of the
+        // store is made of 2 MiB entries.
+        let pmd = pmd_mapped_kib(Path::new(&args[0]));
+        say(format!("{} {} {hash}", store.stats().huge_pages, pmd));
+        return;
+    }
+    say(format!("{} {hash}", store.stats().page_size));
+}
+
+/// KiB of the mappings of the file at `path` in this process that the page tables map
+/// with 2 MiB entries (`ShmemPmdMapped` in /proc/self/smaps). Mappings are matched by
+/// inode: smaps names a file by the name it was created under, and a store is created
+/// under a temporary name and then linked to its own.
+fn pmd_mapped_kib(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let inode = std::fs::metadata(path).unwrap().ino().to_string();
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut inside = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        // A mapping's header: "start-end perms offset dev inode [path]".
+        let header = f.len() >= 5
+            && f[0].contains('-')
+            && f[0].chars().all(|c| c.is_ascii_hexdigit() || c == '-');
+        if header {
+            inside = f[4] == inode;
+        } else if inside {
+            if let Some(v) = line.strip_prefix("ShmemPmdMapped:") {
+                kib += v.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap();
+            }
+        }
+    }
+    kib
+}
+
+/// A tmpfs mounted with transparent huge pages (`huge=within_size` or `huge=always`):
+/// `SHMSTORE_THP_DIR`, else the first such mount; `None` (and why, on stderr) if none.
+fn thp_dir(test: &str) -> Option<PathBuf> {
+    let dir = std::env::var_os("SHMSTORE_THP_DIR").map(PathBuf::from).or_else(|| {
+        let mounts = std::fs::read_to_string("/proc/mounts").ok()?;
+        mounts.lines().find_map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            (f.len() > 3
+                && f[2] == "tmpfs"
+                && f[3]
+                    .split(',')
+                    .any(|o| o == "huge=within_size" || o == "huge=always"))
+            .then(|| PathBuf::from(f[1]))
+        })
+    });
+    if dir.is_none() {
+        eprintln!(
+            "{test}: skipped: no tmpfs with transparent huge pages is mounted (mount one \
+             with `scripts/hugepages.sh`, or `mount -t tmpfs -o huge=within_size none DIR` \
+             and set SHMSTORE_THP_DIR=DIR)"
+        );
+    }
+    dir
 }
 
 fn share_with_child(store: &Store, path: &str, role: &str, seed: u64) {
@@ -211,4 +269,64 @@ fn too_few_free_huge_pages_fail_at_creation_with_the_numbers() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn a_store_in_a_thp_tmpfs_maps_2_mib_pages_in_a_fresh_process() {
+    const T: &str = "a_store_in_a_thp_tmpfs_maps_2_mib_pages_in_a_fresh_process";
+    let Some(dir) = thp_dir(T) else {
+        return;
+    };
+    // Nothing to reserve: the default config, placed in the THP tmpfs.
+    let cfg = StoreConfig {
+        dir,
+        ..StoreConfig::with_capacity(64 << 20)
+    };
+    let name = format!("shmstore-test-thp-{}", std::process::id());
+    let store = Store::create(&name, &cfg).unwrap();
+    let path = store.path().unwrap().to_path_buf();
+    let _cleanup = Cleanup(path.clone());
+    let st = store.stats();
+    assert!(st.huge_pages, "a store in a huge=within_size tmpfs reports normal pages");
+    assert_eq!(st.page_size, HUGE);
+    let data = bytes(5, 16 << 20);
+    let id = ObjectId::of_content(&data);
+    store.put(&id, &data).unwrap();
+    let shown = path.display().to_string();
+    let mut p = spawn(CHILD_ENTRY, "thp", &[shown, id.to_string()]);
+    let reply = p.recv();
+    p.finish();
+    let f: Vec<&str> = reply.split(' ').collect();
+    assert_eq!(f[0], "true", "the attaching process reports normal pages: {reply}");
+    assert_eq!(f[2], blake3::hash(&data).to_hex().as_str());
+    // Reading 16 MiB touched at least 14 MiB of whole, aligned 2 MiB pages: the fresh
+    // process must map them with 2 MiB entries (one fault each), not 4 KiB ones.
+    let pmd: u64 = f[1].parse().unwrap();
+    assert!(pmd >= 14 << 10, "the fresh attach maps only {pmd} KiB with 2 MiB entries");
+}
+
+#[test]
+fn stats_huge_pages_agrees_with_the_page_tables_in_dev_shm() {
+    // Whatever /dev/shm's mount options are on this machine, the report must match what
+    // the kernel really maps (on a default /dev/shm: 4 KiB pages, and `false`).
+    let cfg = StoreConfig {
+        huge_pages: HugePages::Try,
+        ..StoreConfig::with_capacity(32 << 20)
+    };
+    let name = format!("shmstore-test-thp-report-{}", std::process::id());
+    let store = Store::create(&name, &cfg).unwrap();
+    let path = store.path().unwrap().to_path_buf();
+    let _cleanup = Cleanup(path.clone());
+    store.prefault();
+    let pmd = pmd_mapped_kib(&path);
+    let file_kib = std::fs::metadata(&path).unwrap().len() >> 10;
+    assert!(pmd <= file_kib, "{pmd} KiB mapped of a {file_kib} KiB file");
+    let st = store.stats();
+    assert_eq!(
+        st.huge_pages,
+        pmd > 0,
+        "stats say huge_pages = {}, the page tables map {pmd} KiB with 2 MiB entries",
+        st.huge_pages
+    );
+    assert_eq!(st.page_size, if st.huge_pages { HUGE } else { 4096 });
 }

@@ -258,10 +258,14 @@ pub struct Stats {
     pub evictions: u64,
     /// Object table slots.
     pub table_slots: u64,
-    /// Whether transparent huge pages are in effect for this process's mapping.
+    /// Whether the kernel gives the store transparent huge pages: it lives in a tmpfs
+    /// mounted with `huge=within_size` or `huge=always`, or is an anonymous store under
+    /// that `shmem_enabled` policy. Pages come as 2 MiB where the kernel finds them free
+    /// and as 4 KiB otherwise.
     pub huge_pages: bool,
-    /// The page size backing the store (4096 on tmpfs; the huge page size on hugetlbfs or
-    /// for a huge-page memfd).
+    /// The page size backing the store: 4096 on a default tmpfs such as /dev/shm, the
+    /// huge page size on hugetlbfs or for a huge-page memfd, and the transparent huge
+    /// page size (2 MiB) when [`huge_pages`](Self::huge_pages) is set.
     pub page_size: u64,
     /// Client slots (processes that may be attached at once).
     pub max_clients: u64,

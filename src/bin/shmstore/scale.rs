@@ -11,7 +11,8 @@
 //!    the heap full below its top beside a copy of the 1 MiB;
 //! 3. page-table memory per attached process with the whole store mapped, with 4 KiB
 //!    pages and (where the kernel has them free) 2 MiB huge pages, beside 8 bytes per page;
-//!    with a 2 MiB hugetlbfs mounted, the first 64 MiB read of a fresh attach on huge pages.
+//!    with a 2 MiB hugetlbfs mounted, the first 64 MiB read of a fresh attach on huge pages;
+//!    with a tmpfs mounted `huge=within_size`, both for transparent huge pages.
 
 use crate::child::ids;
 use crate::ipc::{median, percentile, Worker};
@@ -434,12 +435,27 @@ fn fresh_attach_reads(path: &Path, id: &ObjectId) -> Result<(f64, f64, f64), Str
 
 // ---- 3. page tables -----------------------------------------------------------------------
 
-/// Page-table bytes per GiB this process pays with the whole store mapped and populated.
-fn pte_per_gib(cfg: &StoreConfig) -> Result<f64, String> {
-    let store = Store::create_anonymous(cfg).map_err(err)?;
+/// Page-table bytes per GiB this process pays with the whole store mapped and populated:
+/// an anonymous store, or with `dir` a named one there.
+fn pte_per_gib(cfg: &StoreConfig, dir: Option<&Path>) -> Result<f64, String> {
+    let mut cleanup = Cleanup(Vec::new());
+    let store = match dir {
+        None => Store::create_anonymous(cfg).map_err(err)?,
+        Some(dir) => {
+            let name = format!("shmstore-bench-pte-{}", std::process::id());
+            cleanup.0.push(dir.join(&name));
+            let cfg = StoreConfig {
+                dir: dir.to_path_buf(),
+                ..cfg.clone()
+            };
+            Store::create(&name, &cfg).map_err(err)?
+        }
+    };
     let before = vm_pte();
     store.prefault();
     let after = vm_pte();
+    drop(store);
+    drop(cleanup);
     Ok(after.saturating_sub(before) as f64 / (cfg.capacity as f64 / GIB as f64))
 }
 
@@ -450,7 +466,7 @@ fn page_tables(r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
         progress: false,
         ..StoreConfig::with_capacity(GIB)
     };
-    let small = r.fig("pte_per_gib_4k_bytes", pte_per_gib(&base)?);
+    let small = r.fig("pte_per_gib_4k_bytes", pte_per_gib(&base, None)?);
     r.row(
         "page tables per process, whole store touched, 4 KiB pages",
         format!("{:.2} MiB per GiB", small / MIB as f64),
@@ -458,6 +474,7 @@ fn page_tables(r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
         ratio(small, 2.0 * MIB as f64),
         "-",
     );
+    transparent_huge_pages(r, progress)?;
     // Huge pages, if the administrator reserved some (scripts/hugepages.sh does).
     let (free, page) = HugePages::free_pages().unwrap_or((0, 0));
     let pages = free.saturating_sub(8);
@@ -474,7 +491,7 @@ fn page_tables(r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
         max_objects: 1024,
         ..StoreConfig::with_capacity((pages * page).min(GIB) - 8 * MIB)
     };
-    let big = r.fig("pte_per_gib_2m_bytes", pte_per_gib(&huge)?);
+    let big = r.fig("pte_per_gib_2m_bytes", pte_per_gib(&huge, None)?);
     r.row(
         "page tables per process, whole store touched, 2 MiB huge pages",
         format!("{:.1} KiB per GiB", big / 1024.0),
@@ -482,58 +499,114 @@ fn page_tables(r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
         ratio(big, 4096.0),
         "-",
     );
-    first_read_on_huge_pages(pages * page, r, progress)
-}
-
-/// The first-read row of `sizes` on a store in a 2 MiB hugetlbfs: a fresh process maps
-/// 32 huge pages for 64 MiB where 4 KiB pages take 16 384 entries (1 024 faults with the
-/// kernel's 64 KiB fault-around), which on a VM is the whole gap to a warm read.
-fn first_read_on_huge_pages(
-    free: u64,
-    r: &mut Report,
-    progress: &dyn Fn(&str),
-) -> Result<(), String> {
-    let capacity = 72 * MIB;
-    let mount = std::fs::read_to_string("/proc/mounts")
-        .unwrap_or_default()
-        .lines()
-        .map(|l| l.split_whitespace().collect::<Vec<_>>())
-        .find(|f| f.len() > 3 && f[2] == "hugetlbfs" && f[3].contains("pagesize=2M"))
-        .map(|f| PathBuf::from(f[1]));
-    let Some(mount) = mount.filter(|_| free >= capacity + 8 * MIB) else {
+    let mount = mount_where(|fs, opts| fs == "hugetlbfs" && opts.contains("pagesize=2M"));
+    let need = FIRST_READ_STORE + 8 * MIB;
+    let Some(mount) = mount.filter(|_| pages * page >= need) else {
         r.notes.push(format!(
             "first read on huge pages: skipped: needs a 2 MiB hugetlbfs mount and {} MiB \
              of free huge pages ({} MiB free; scripts/hugepages.sh with \
              SHMSTORE_HUGE_PAGES=48 sets both up)",
-            (capacity + 8 * MIB) / MIB,
-            free / MIB
+            need / MIB,
+            pages * page / MIB
         ));
         return Ok(());
     };
     progress("scale: first read on huge pages");
+    let (first, warm) = first_read_in(mount, HugePages::Hugetlb)?;
+    r.fig("first_read_huge_ms", first);
+    r.row(
+        "first 64 MiB read, fresh attach, 2 MiB huge pages",
+        format!("{first:.1} ms"),
+        format!("second read {warm:.1} ms"),
+        ratio(first, warm),
+        "<= 1.5x warm",
+    );
+    Ok(())
+}
+
+/// The mount point of the first file system in /proc/mounts for which `pick(fstype,
+/// options)` holds.
+fn mount_where(pick: impl Fn(&str, &str) -> bool) -> Option<PathBuf> {
+    std::fs::read_to_string("/proc/mounts")
+        .unwrap_or_default()
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.len() > 3 && pick(f[2], f[3]))
+        .map(|f| PathBuf::from(f[1]))
+}
+
+/// The page-table and first-read rows for a store in a tmpfs with transparent huge pages
+/// (`SHMSTORE_THP_DIR`, else the first tmpfs mounted `huge=within_size` or `huge=always`):
+/// nothing reserved, 2 MiB pages wherever the kernel finds them free.
+fn transparent_huge_pages(r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
+    let dir = std::env::var_os("SHMSTORE_THP_DIR")
+        .map(PathBuf::from)
+        .or_else(|| {
+            mount_where(|fs, opts| {
+                fs == "tmpfs"
+                    && opts
+                        .split(',')
+                        .any(|o| o == "huge=within_size" || o == "huge=always")
+            })
+        });
+    let capacity = 512 * MIB;
+    let Some(dir) = dir.filter(|d| free_bytes(d) >= capacity + 32 * MIB) else {
+        r.notes.push(
+            "transparent huge pages: skipped: no tmpfs mounted with huge=within_size and \
+             544 MiB free (scripts/hugepages.sh mounts one at /tmp/shmstore-thp)"
+                .into(),
+        );
+        return Ok(());
+    };
+    progress("scale: transparent huge pages");
+    let cfg = StoreConfig {
+        populate_in_background: false,
+        progress: false,
+        ..StoreConfig::with_capacity(capacity)
+    };
+    let thp = r.fig("pte_per_gib_thp_bytes", pte_per_gib(&cfg, Some(&dir))?);
+    r.row(
+        "page tables per process, whole store touched, transparent huge pages",
+        format!("{:.1} KiB per GiB", thp / 1024.0),
+        "8 B per 2 MiB page: 4 KiB per GiB".into(),
+        ratio(thp, 4096.0),
+        "-",
+    );
+    let (first, warm) = first_read_in(dir, HugePages::Off)?;
+    r.fig("first_read_thp_ms", first);
+    r.row(
+        "first 64 MiB read, fresh attach, transparent huge pages",
+        format!("{first:.1} ms"),
+        format!("second read {warm:.1} ms"),
+        ratio(first, warm),
+        "<= 1.5x warm",
+    );
+    Ok(())
+}
+
+/// Capacity of the stores of the first-read rows on huge pages: room for one 64 MiB object.
+const FIRST_READ_STORE: u64 = 72 * MIB;
+
+/// A store in `dir` holding one 64 MiB object, read twice by a freshly attached process:
+/// (first read, second read) in ms. On huge pages that process maps 32 entries where
+/// 4 KiB pages take 16 384 (1 024 faults with the kernel's 64 KiB fault-around), which on
+/// a VM is the whole gap to a warm read.
+fn first_read_in(dir: PathBuf, huge_pages: HugePages) -> Result<(f64, f64), String> {
     let name = format!("shmstore-bench-scale-{}", std::process::id());
-    let path = mount.join(&name);
+    let path = dir.join(&name);
     let _cleanup = Cleanup(vec![path.clone()]);
     let cfg = StoreConfig {
-        huge_pages: HugePages::Hugetlb,
+        huge_pages,
         max_objects: 1024,
         progress: false,
-        dir: mount,
-        ..StoreConfig::with_capacity(capacity)
+        dir,
+        ..StoreConfig::with_capacity(FIRST_READ_STORE)
     };
     let store = Store::create(&name, &cfg).map_err(err)?;
     let id = ObjectId::of_key("scale-64m-huge");
     store
         .put(&id, &vec![0x5au8; 64 * MIB as usize])
         .map_err(err)?;
-    let (_, first_read, warm_read) = fresh_attach_reads(&path, &id)?;
-    r.fig("first_read_huge_ms", first_read);
-    r.row(
-        "first 64 MiB read, fresh attach, 2 MiB huge pages",
-        format!("{first_read:.1} ms"),
-        format!("second read {warm_read:.1} ms"),
-        ratio(first_read, warm_read),
-        "<= 1.5x warm",
-    );
-    Ok(())
+    let (_, first, warm) = fresh_attach_reads(&path, &id)?;
+    Ok((first, warm))
 }
