@@ -73,6 +73,7 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
             evictions: st.evictions,
             table_slots: st.table_slots,
             page_size: st.page_size,
+            huge_pages: st.huge_pages,
             max_clients: st.max_clients,
             creates: st.creates,
             bytes_created: st.bytes_created,
@@ -131,7 +132,14 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
         ("evictions", st.evictions.to_string()),
         ("table slots", st.table_slots.to_string()),
         ("client slots", st.max_clients.to_string()),
-        ("page size", human(st.page_size)),
+        (
+            "page size",
+            if st.huge_pages {
+                format!("{} (transparent huge pages)", human(st.page_size))
+            } else {
+                human(st.page_size)
+            },
+        ),
     ];
     for (k, v) in rows {
         println!("{k:<20} {v}");
@@ -328,6 +336,7 @@ struct StatJson {
     evictions: u64,
     table_slots: u64,
     page_size: u64,
+    huge_pages: bool,
     max_clients: u64,
     creates: u64,
     bytes_created: u64,
