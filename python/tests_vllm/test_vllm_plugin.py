@@ -3,9 +3,11 @@ CUDA registration skipped cleanly without a GPU."""
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -137,6 +139,81 @@ def test_a_store_left_by_a_crashed_instance_is_removed_at_the_next_start(store_e
     assert not os.path.exists(f"/dev/shm/{older}")
     assert os.path.exists(f"/dev/shm/{store_env['SHMSTORE_VLLM_STORE']}")
     del live
+
+
+def _thp_dir() -> str | None:
+    """A tmpfs mounted with transparent huge pages (``SHMSTORE_THP_DIR``, else the first
+    one in /proc/mounts; scripts/hugepages.sh mounts one at /tmp/shmstore-thp)."""
+    if os.environ.get("SHMSTORE_THP_DIR"):
+        return os.environ["SHMSTORE_THP_DIR"]
+    with open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 3 and fields[2] == "tmpfs" and any(
+                    o in ("huge=within_size", "huge=always") for o in fields[3].split(",")):
+                return fields[1]
+    return None
+
+
+def test_shmstore_vllm_dir_moves_the_store_its_workers_and_its_cleanup(
+        store_env, monkeypatch, caplog):
+    # On a tmpfs with transparent huge pages when one is mounted (the point of the
+    # setting), else in a plain directory of /dev/shm: the placement is tested either way.
+    thp = _thp_dir()
+    directory = thp or tempfile.mkdtemp(dir="/dev/shm", prefix="shmstore-test-dir-")
+    if thp is None:
+        print("no THP tmpfs mounted (scripts/hugepages.sh): testing a plain directory")
+    monkeypatch.setenv("SHMSTORE_VLLM_DIR", directory)
+    name = store_env["SHMSTORE_VLLM_STORE"]
+    path = os.path.join(directory, name)
+    # A store left there by a crashed instance is removed at start, as in /dev/shm.
+    crashed = f"shmstore-vllm-999997-{os.getpid()}"
+    r = run(
+        """
+        import os, shmstore
+        s = shmstore.Store.create(os.environ["CRASHED"], 1 << 20)
+        os._exit(0)   # no cleanup: as if killed
+        """,
+        {"CRASHED": os.path.join(directory, crashed)},
+    )
+    assert r.returncode == 0, r.stderr
+    try:
+        assert crashed in sv.remove_stale_stores()
+        assert not os.path.exists(os.path.join(directory, crashed))
+        with caplog.at_level(logging.INFO, logger="shmstore.vllm"):
+            sender = sv.ShmstoreSenderCache(make_config())
+        assert os.path.exists(path) and not os.path.exists(f"/dev/shm/{name}")
+        assert path in caplog.text, caplog.text
+        if thp:
+            assert sender.store.stats()["huge_pages"]
+            assert "2 MiB transparent huge pages" in caplog.text, caplog.text
+        # A worker process finds the store through the inherited setting and reads an
+        # item the front-end put.
+        sender.store.put("item", b"pixels" * 1000)
+        r = run(
+            """
+            from harness import make_config, setup_process
+            setup_process()
+            import shmstore.vllm as sv
+            w = sv.ShmstoreReceiverCache(make_config())
+            print(sv.store_path(), bytes(w.store.get("item", 5.0))[:6].decode(),
+                  w.store.stats()["huge_pages"])
+            """,
+            {**store_env, "SHMSTORE_VLLM_DIR": directory},
+        )
+        assert r.stdout.split() == [path, "pixels", str(bool(thp))], r.stderr[-3000:]
+        sender.close()
+        del sender
+        import gc
+
+        gc.collect()
+        assert not os.path.exists(path), "removed when its last process left"
+    finally:
+        for f in (path, os.path.join(directory, crashed)):
+            if os.path.exists(f):
+                os.unlink(f)
+        if thp is None:
+            os.rmdir(directory)
 
 
 def test_cuda_registration_is_skipped_cleanly_without_a_gpu(store_env, monkeypatch, caplog):
