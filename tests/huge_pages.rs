@@ -135,7 +135,12 @@ fn pmd_mapped_kib(path: &Path) -> u64 {
             inside = f[4] == inode;
         } else if inside {
             if let Some(v) = line.strip_prefix("ShmemPmdMapped:") {
-                kib += v.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap();
+                kib += v
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .unwrap();
             }
         }
     }
@@ -145,18 +150,20 @@ fn pmd_mapped_kib(path: &Path) -> u64 {
 /// A tmpfs mounted with transparent huge pages (`huge=within_size` or `huge=always`):
 /// `SHMSTORE_THP_DIR`, else the first such mount; `None` (and why, on stderr) if none.
 fn thp_dir(test: &str) -> Option<PathBuf> {
-    let dir = std::env::var_os("SHMSTORE_THP_DIR").map(PathBuf::from).or_else(|| {
-        let mounts = std::fs::read_to_string("/proc/mounts").ok()?;
-        mounts.lines().find_map(|l| {
-            let f: Vec<&str> = l.split(' ').collect();
-            (f.len() > 3
-                && f[2] == "tmpfs"
-                && f[3]
-                    .split(',')
-                    .any(|o| o == "huge=within_size" || o == "huge=always"))
-            .then(|| PathBuf::from(f[1]))
-        })
-    });
+    let dir = std::env::var_os("SHMSTORE_THP_DIR")
+        .map(PathBuf::from)
+        .or_else(|| {
+            let mounts = std::fs::read_to_string("/proc/mounts").ok()?;
+            mounts.lines().find_map(|l| {
+                let f: Vec<&str> = l.split(' ').collect();
+                (f.len() > 3
+                    && f[2] == "tmpfs"
+                    && f[3]
+                        .split(',')
+                        .any(|o| o == "huge=within_size" || o == "huge=always"))
+                .then(|| PathBuf::from(f[1]))
+            })
+        });
     if dir.is_none() {
         eprintln!(
             "{test}: skipped: no tmpfs with transparent huge pages is mounted (mount one \
@@ -287,7 +294,10 @@ fn a_store_in_a_thp_tmpfs_maps_2_mib_pages_in_a_fresh_process() {
     let path = store.path().unwrap().to_path_buf();
     let _cleanup = Cleanup(path.clone());
     let st = store.stats();
-    assert!(st.huge_pages, "a store in a huge=within_size tmpfs reports normal pages");
+    assert!(
+        st.huge_pages,
+        "a store in a huge=within_size tmpfs reports normal pages"
+    );
     assert_eq!(st.page_size, HUGE);
     let data = bytes(5, 16 << 20);
     let id = ObjectId::of_content(&data);
@@ -297,12 +307,18 @@ fn a_store_in_a_thp_tmpfs_maps_2_mib_pages_in_a_fresh_process() {
     let reply = p.recv();
     p.finish();
     let f: Vec<&str> = reply.split(' ').collect();
-    assert_eq!(f[0], "true", "the attaching process reports normal pages: {reply}");
+    assert_eq!(
+        f[0], "true",
+        "the attaching process reports normal pages: {reply}"
+    );
     assert_eq!(f[2], blake3::hash(&data).to_hex().as_str());
     // Reading 16 MiB touched at least 14 MiB of whole, aligned 2 MiB pages: the fresh
     // process must map them with 2 MiB entries (one fault each), not 4 KiB ones.
     let pmd: u64 = f[1].parse().unwrap();
-    assert!(pmd >= 14 << 10, "the fresh attach maps only {pmd} KiB with 2 MiB entries");
+    assert!(
+        pmd >= 14 << 10,
+        "the fresh attach maps only {pmd} KiB with 2 MiB entries"
+    );
 }
 
 #[test]
