@@ -83,15 +83,7 @@ def _spec(name: str, value) -> tuple[str, str, tuple[int, ...], Any]:
             raise TypeError(f"array {name!r}: torch dtype {value.dtype} is not supported in items")
         if not value.is_cpu:
             raise TypeError(f"array {name!r} is on {value.device}: move it to the CPU first")
-        buf = None
-        if value.is_contiguous():
-            t = value.detach() if value.requires_grad else value
-            if dt == "bfloat16":  # numpy has no bfloat16: the same bytes as int16
-                import torch
-
-                t = t.view(torch.int16)
-            buf = t.numpy()
-        return name, dt, tuple(value.shape), buf
+        return torch_spec(name, dt, value)
     if np is None:
         raise ImportError("put_item needs numpy (pip install numpy)")
     a = np.asarray(value)
@@ -99,6 +91,20 @@ def _spec(name: str, value) -> tuple[str, str, tuple[int, ...], Any]:
     if dt not in _NP_NAMES and dt != "bfloat16":
         raise TypeError(f"array {name!r}: dtype {a.dtype} is not supported in items")
     return name, dt, tuple(int(d) for d in a.shape), a if a.flags.c_contiguous else None
+
+
+def torch_spec(name: str, dt: str, value) -> tuple[str, str, tuple[int, ...], Any]:
+    """``_spec`` of a CPU torch tensor whose dtype name ``dt`` the caller checked (the
+    vLLM plugin checks while it walks an item, and calls this directly)."""
+    buf = None
+    if value.is_contiguous():
+        t = value.detach() if value.requires_grad else value
+        if dt == "bfloat16":  # numpy has no bfloat16: the same bytes as int16
+            import torch
+
+            t = t.view(torch.int16)
+        buf = t.numpy()
+    return name, dt, tuple(value.shape), buf
 
 
 def _write(dst_mv: memoryview, offset: int, nbytes: int, dt: str, shape, value) -> None:
@@ -136,6 +142,19 @@ def put_item(
     full: list[tuple[str, str, Any, Any]] = [
         _spec(k if type(k) is str else str(k), v) for k, v in arrays.items()
     ]
+    put_described(store, key, full, list(arrays.values()), meta, timeout)
+
+
+def put_described(
+    store: _native.Store,
+    key,
+    full: list[tuple[str, str, Any, Any]],
+    values: list[Any],
+    meta: Mapping[str, Any] | None,
+    timeout: float | None,
+) -> None:
+    """``put_item`` of arrays already described by ``_spec`` (``full``), ``values``
+    being the arrays themselves in the same order."""
     if all(f[3] is not None for f in full):
         # Every array is C-contiguous: one native call plans, creates, copies and seals.
         _native.put_item_buffers(store, key, full, dict(meta) if meta else {}, timeout)
@@ -147,7 +166,7 @@ def put_item(
         mv = c.buffer
         try:
             mv[: len(header)] = header
-            for (name, dt, shape), (offset, nbytes), value in zip(specs, placements, arrays.values()):
+            for (name, dt, shape), (offset, nbytes), value in zip(specs, placements, values):
                 _write(mv, offset, nbytes, dt, shape, value)
         finally:
             mv.release()

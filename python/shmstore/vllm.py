@@ -80,7 +80,7 @@ from vllm.multimodal.inputs import (
 from vllm.utils.cache import CacheInfo
 
 from . import _native
-from .items import put_item
+from .items import put_described, torch_spec
 
 logger = logging.getLogger("shmstore.vllm")
 
@@ -91,20 +91,24 @@ FORMAT = 1
 _STRUCTURE = "vllm"
 
 _FIELD_KINDS = {"batched", "flat", "shared"}
+#: The torch dtypes an item may hold, and their names in the item format.
 _TORCH_DTYPES = {
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
+    t: str(t).removeprefix("torch.")
+    for t in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
 }
 _MiB = 1 << 20
-_ITEMSIZE = {str(t).removeprefix("torch."): torch.empty((), dtype=t).element_size() for t in _TORCH_DTYPES}
+_ITEMSIZE = {name: torch.empty((), dtype=t).element_size() for t, name in _TORCH_DTYPES.items()}
 # Views of read-only shared memory: torch warns that the buffer is not writable (by design:
 # a write faults in a read-only attach). Said once in the docs instead of per tensor.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
@@ -177,17 +181,33 @@ except ImportError:  # pragma: no cover
         return json.dumps(obj, separators=(",", ":"))
 
 
-def _data_out(x, arrays: dict[str, torch.Tensor]):
-    """``x`` as JSON, its tensors moved to ``arrays``. A module-level function, not a
-    closure: a recursive closure is a reference cycle, which would keep ``arrays`` (and
+class _Described:
+    """An item's tensors as ``_data_out`` finds them: each one's spec for ``put_item``
+    (``(name, dtype, shape, buffer)``), the tensor, and their total bytes. Walking the
+    item once for all three is what the front-end pays per item, so it is one pass."""
+
+    __slots__ = ("specs", "tensors", "nbytes")
+
+    def __init__(self) -> None:
+        self.specs: list[tuple[str, str, tuple[int, ...], Any]] = []
+        self.tensors: list[torch.Tensor] = []
+        self.nbytes = 0
+
+
+def _data_out(x, out: _Described):
+    """``x`` as JSON, its tensors moved to ``out``. A module-level function, not a
+    closure: a recursive closure is a reference cycle, which would keep the tensors (and
     on the worker side, the pins of its tensors) alive until the garbage collector runs."""
     if isinstance(x, torch.Tensor):
         if not x.is_cpu:
             raise Unsupported("device", f"a tensor on {x.device}")
-        if x.dtype not in _TORCH_DTYPES:
+        dt = _TORCH_DTYPES.get(x.dtype)
+        if dt is None:
             raise Unsupported("dtype", f"dtype {x.dtype}")
-        name = f"t{len(arrays)}"
-        arrays[name] = x
+        name = f"t{len(out.tensors)}"
+        out.tensors.append(x)
+        out.specs.append(torch_spec(name, dt, x))
+        out.nbytes += x.nbytes
         return {"t": name}
     if isinstance(x, bool):
         return {"b": x}
@@ -198,9 +218,9 @@ def _data_out(x, arrays: dict[str, torch.Tensor]):
     if x is None:
         return None
     if isinstance(x, list):
-        return {"l": [_data_out(e, arrays) for e in x]}
+        return {"l": [_data_out(e, out) for e in x]}
     if isinstance(x, tuple):
-        return {"u": [_data_out(e, arrays) for e in x]}
+        return {"u": [_data_out(e, out) for e in x]}
     raise Unsupported("type", f"a value of type {type(x).__name__}")
 
 
@@ -226,12 +246,18 @@ def encode_item(item: MultiModalKwargsItem) -> tuple[dict[str, torch.Tensor], di
     one array (copied once by ``put_item``); the structure (keys, field kinds and their
     parameters, nesting of lists and tuples, plain numbers) is one small JSON string.
     Raises ``Unsupported`` for anything else (a GPU tensor, an exotic dtype, a string)."""
-    arrays: dict[str, torch.Tensor] = {}
+    out, meta = describe_item(item)
+    return {spec[0]: t for spec, t in zip(out.specs, out.tensors)}, meta
+
+
+def describe_item(item: MultiModalKwargsItem) -> tuple[_Described, dict[str, Any]]:
+    """``encode_item``'s work in the form ``put_described`` takes: the front-end's path."""
+    out = _Described()
     keys = []
     for key, elem in item.items():
         kind, kw = _field_kind(elem.field)
-        keys.append({"k": key, "field": [kind, kw], "data": _data_out(elem.data, arrays)})
-    return arrays, {_STRUCTURE: _to_json({"v": FORMAT, "keys": keys})}
+        keys.append({"k": key, "field": [kind, kw], "data": _data_out(elem.data, out)})
+    return out, {_STRUCTURE: _to_json({"v": FORMAT, "keys": keys})}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -266,9 +292,11 @@ def decode_item(arrays: dict[str, Any]) -> MultiModalKwargsItem:
 def marker_item() -> MultiModalKwargsItem:
     """What crosses vLLM's RPC for an item in the store: no data, no address, no
     signature. The receiver looks the item up by the request's ``mm_hash``."""
-    return MultiModalKwargsItem(
-        {MARKER: MultiModalFieldElem(data=FORMAT, field=MultiModalBatchedField())}
-    )
+    return MultiModalKwargsItem({MARKER: MultiModalFieldElem(data=FORMAT, field=_MARKER_FIELD)})
+
+
+#: The marker's field (frozen, so one instance serves every marker).
+_MARKER_FIELD = MultiModalBatchedField()
 
 
 def is_marker(item: MultiModalKwargsItem | None) -> bool:
@@ -471,15 +499,14 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         if self.inline_only:
             return mm_item
         try:
-            arrays, meta = encode_item(item)
-            nbytes = sum(t.nbytes for t in arrays.values())
-            if nbytes > self.max_object_size:
+            out, meta = describe_item(item)
+            if out.nbytes > self.max_object_size:
                 raise Unsupported(
                     "size",
-                    f"{nbytes / _MiB:.1f} MiB is over --mm-shm-cache-max-object-size-mb="
+                    f"{out.nbytes / _MiB:.1f} MiB is over --mm-shm-cache-max-object-size-mb="
                     f"{self.max_object_size // _MiB}",
                 )
-            put_item(self.store, mm_hash, arrays, meta)
+            put_described(self.store, mm_hash, out.specs, out.tensors, meta, None)
         except Unsupported as e:
             self._warn_once(e.reason, f"shmstore: an item goes inline ({e}); said once per reason")
             return mm_item
