@@ -44,6 +44,11 @@ Settings (environment):
 * ``SHMSTORE_VLLM_PREFETCH=0``: with Ray's executor on several nodes, the engine core
   does not prefetch items to the other nodes (default: it does); workers then fetch on
   their first read.
+* ``SHMSTORE_VLLM_WORKER_KEEP``: the fraction of the store's bytes each worker keeps
+  mapped as ready items for cache hits (default ``0.125``; ``0`` turns it off). A hit on
+  a kept item costs the worker a dictionary lookup, as in vLLM's ``lru`` receiver, instead
+  of a lookup in the store and new tensor views; the kept items stay pinned (not
+  evictable) until the worker drops them, least recently used first.
 """
 
 from __future__ import annotations
@@ -605,10 +610,24 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
     The returned tensors are views of the shared object and keep it pinned while they
     live. vLLM keeps a request's ``mm_features`` until the request finishes (and the
     encoder cache holds the encoder's outputs, not these tensors), so an item is pinned
-    by a worker while a request that uses it is running there, and no longer.
+    by a worker while a request that uses it is running there.
+
+    The worker also keeps the items it read most recently, up to ``keep_fraction`` of the
+    store's bytes (``SHMSTORE_VLLM_WORKER_KEEP``), and answers a cache hit on one of them
+    with the same ``MultiModalKwargsItem`` (as vLLM's ``lru`` receiver does with its
+    mirrored items): no lookup, no new views. Kept items stay pinned, so the store cannot
+    evict them; the bound keeps the rest of the store evictable, and the least recently
+    used item is let go first.
     """
 
-    def __init__(self, vllm_config, shared_worker_lock=None, *, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        vllm_config,
+        shared_worker_lock=None,
+        *,
+        timeout: float = 10.0,
+        keep_fraction: float | None = None,
+    ) -> None:
         super().__init__()
         read_only = os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0"
         #: With Ray's executor on a node other than the front-end's: this node's stores
@@ -625,6 +644,13 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
             self.store = open_store(vllm_config, read_only=read_only)
         self.timeout = timeout
         self.cuda_registered = register_with_cuda(self.store)
+        if keep_fraction is None:
+            keep_fraction = float(os.environ.get("SHMSTORE_VLLM_WORKER_KEEP", "0.125"))
+        #: Items kept ready for hits: mm_hash -> (item, its bytes), least recent first.
+        self._kept: collections.OrderedDict[str, tuple[MultiModalKwargsItem, int]] = (
+            collections.OrderedDict())
+        self._kept_bytes = 0
+        self._keep_budget = int(self.store.stats()["capacity"] * max(0.0, keep_fraction))
 
     @override
     def get_and_update_features(
@@ -650,21 +676,43 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
         if not is_marker(mm_item):
             assert mm_item is not None, f"Expected an item for {mm_hash=}"
             return mm_item  # sent inline
+        kept = self._kept.get(mm_hash)
+        if kept is not None:
+            self._kept.move_to_end(mm_hash)
+            return kept[0]
         try:
-            arrays = _get_torch_item(self.store, mm_hash, self.timeout)
+            arrays, nbytes = _get_torch_item(self.store, mm_hash, self.timeout)
         except (_native.NotFound, _native.CreatorDied, _native.Timeout):
             raise MultiModalCacheMissError([mm_hash]) from None
-        return decode_item(arrays)
+        item = decode_item(arrays)
+        self._keep(mm_hash, item, nbytes)
+        return item
+
+    def _keep(self, mm_hash: str, item: MultiModalKwargsItem, nbytes: int) -> None:
+        """Keeps ``item`` ready for hits if it fits the budget, letting go of the least
+        recently used kept items (and, unless vLLM still holds them, their pins)."""
+        if nbytes > self._keep_budget:
+            return
+        self._kept[mm_hash] = (item, nbytes)
+        self._kept_bytes += nbytes
+        while self._kept_bytes > self._keep_budget:
+            _, (_, n) = self._kept.popitem(last=False)
+            self._kept_bytes -= n
 
     @override
     def touch_receiver_cache_item(
         self, mm_hash: str, mm_item: MultiModalKwargsItem | None = None
     ) -> None:
-        pass  # lookups are by key; there is no handle to validate
+        # Lookups are by key; there is no handle to validate. An item vLLM touches (its
+        # request hit the prefix cache) is recent again.
+        if mm_hash in self._kept:
+            self._kept.move_to_end(mm_hash)
 
     @override
     def clear_cache(self) -> None:
-        pass  # the front-end's clear_cache empties the one store
+        # The front-end's clear_cache empties the one store; the kept items' pins go.
+        self._kept.clear()
+        self._kept_bytes = 0
 
 
 # ----- the engine core, with Ray's executor across nodes ---------------------------------
@@ -754,9 +802,10 @@ def engine_prefetcher(vllm_config) -> ShmstorePrefetcher | None:
     return ShmstorePrefetcher(nodes)
 
 
-def _get_torch_item(store, mm_hash: str, timeout: float) -> dict[str, Any]:
-    # Waits only if the item is being created (another front-end is writing it); an
-    # absent item is a miss at once.
+def _get_torch_item(store, mm_hash: str, timeout: float) -> tuple[dict[str, Any], int]:
+    """The item's tensors (views of the shared object, pinning it) and the object's
+    size. Waits only if the item is being created (another front-end is writing it); an
+    absent item is a miss at once."""
     mv = store.get(mm_hash, timeout, wait_if_absent=False)
     arrays, meta = _native.decode_item(mv)
     out: dict[str, Any] = {}
@@ -768,7 +817,7 @@ def _get_torch_item(store, mm_hash: str, timeout: float) -> dict[str, Any]:
         out[name] = torch.frombuffer(mv, dtype=tdt, count=nbytes // _ITEMSIZE[dt], offset=offset).view(shape)
     if meta:
         out["__meta__"] = meta
-    return out
+    return out, mv.nbytes
 
 
 def register_with_cuda(store) -> bool:

@@ -22,7 +22,8 @@ from shmstore import vllm as sv
 def roundtrip(store, item, key="k"):
     arrays, meta = sv.encode_item(item)
     shmstore.put_item(store, key, arrays, meta)
-    return sv.decode_item(sv._get_torch_item(store, key, 1.0))
+    arrays, _ = sv._get_torch_item(store, key, 1.0)
+    return sv.decode_item(arrays)
 
 
 @pytest.fixture
@@ -124,3 +125,39 @@ def test_a_dropped_item_unpins_at_once_without_the_garbage_collector(store, kind
         assert store.stats()["pins"] == 0
     finally:
         gc.enable()
+
+
+def test_a_worker_answers_hits_from_the_items_it_keeps_within_its_budget(store_env):
+    cfg = make_config()  # a 64 MiB store: each worker keeps up to 1/8, 8 MiB, by default
+    sender = sv.ShmstoreSenderCache(cfg)
+    worker = sv.ShmstoreReceiverCache(cfg)
+    hashes = [f"keep-{i}" for i in range(10)]  # images of 1.2 MiB
+    for h in hashes:
+        sender.get_and_update_item((make_item(h, kind="image"), []), h)
+    sender.close()  # its window of recent sends lets go of their pins
+    store = sender.store
+    size = len(store.get(hashes[-1]))
+    marker = sv.marker_item()
+    first = {h: worker.get_and_update_item(marker, h) for h in hashes}
+    # A hit on a recent item is the very same item: no lookup in the store.
+    lookups = store.stats()["gets_hit"]
+    again = worker.get_and_update_item(marker, hashes[-1])
+    assert again is first[hashes[-1]]
+    assert store.stats()["gets_hit"] == lookups
+    assert digest(again) == digest(make_item(hashes[-1], kind="image"))
+    # Once vLLM drops the items, only the kept ones stay pinned: within the budget, the
+    # most recent ones, and fewer than all of them.
+    del first, again
+    pins = store.stats()["pins"]
+    assert 1 <= pins < len(hashes) and pins * size <= (64 << 20) // 8, (pins, size)
+    lookups = store.stats()["gets_hit"]
+    worker.get_and_update_item(marker, hashes[0])  # the oldest was let go: looked up again
+    assert store.stats()["gets_hit"] == lookups + 1
+    # clear_cache lets go of every kept item; keep_fraction=0 keeps none.
+    worker.clear_cache()
+    assert store.stats()["pins"] == 0
+    plain = sv.ShmstoreReceiverCache(cfg, keep_fraction=0.0)
+    got = plain.get_and_update_item(marker, hashes[-1])
+    assert store.stats()["pins"] == 1
+    del got
+    assert store.stats()["pins"] == 0
