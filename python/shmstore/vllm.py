@@ -444,7 +444,9 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         self.max_object_size = int(mm_config.mm_shm_cache_max_object_size_mb * _MiB)
         self._updates: collections.OrderedDict[str, Sequence[Any]] = collections.OrderedDict()
         self._touched: dict[str, memoryview] = {}
-        self._inflight: collections.deque[tuple[memoryview, int]] = collections.deque()
+        #: The window of recent sends: mm_hash -> (pin, bytes), oldest first.
+        self._inflight: collections.OrderedDict[str, tuple[memoryview, int]] = (
+            collections.OrderedDict())
         self._inflight_bytes = 0
         self._inflight_budget = int(_capacity(vllm_config) * inflight_fraction)
         self._hits = 0
@@ -464,7 +466,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
             return False
         if mm_hash in self._touched:
             return True
-        v = self.store.try_get(mm_hash)
+        v = self._pin(mm_hash)
         if v is None:
             del self._updates[mm_hash]
             return False
@@ -475,7 +477,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         if mm_hash in self._touched or mm_hash not in self._updates:
             return
-        v = self.store.try_get(mm_hash)
+        v = self._pin(mm_hash)
         if v is not None:
             self._touched[mm_hash] = v
 
@@ -522,6 +524,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
             return mm_item
         self._updates[mm_hash] = updates
         self._updates.move_to_end(mm_hash)
+        self._forget_sent(mm_hash)  # a pin from an earlier send may be of a deleted object
         self._send(mm_hash, None)
         return marker_item(), updates
 
@@ -542,6 +545,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
                 "now on (see docs/vllm.md, multi-node).", mm_hash, store_path())
         self._updates.pop(mm_hash, None)
         self._touched.pop(mm_hash, None)
+        self._forget_sent(mm_hash)
 
     @override
     def clear_cache(self) -> None:
@@ -574,18 +578,36 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
 
     # -- internals --------------------------------------------------------------------
 
+    def _pin(self, mm_hash: str) -> memoryview | None:
+        """A pin on the item: the one its recent send holds (a hit on an item sent
+        recently costs no lookup in the store), else a new one; None if it is gone."""
+        sent = self._inflight.get(mm_hash)
+        if sent is not None:
+            return sent[0]
+        return self.store.try_get(mm_hash)
+
+    def _forget_sent(self, mm_hash: str) -> None:
+        sent = self._inflight.pop(mm_hash, None)
+        if sent is not None:
+            self._inflight_bytes -= sent[1]
+
     def _send(self, mm_hash: str, pin: memoryview | None) -> None:
-        """Keeps the item pinned while its request is on the way to the workers."""
+        """Keeps the item pinned while its request is on the way to the workers: it
+        joins (or, sent again, moves to the end of) the window of recent sends."""
+        sent = self._inflight.get(mm_hash)
+        if sent is not None:
+            self._inflight.move_to_end(mm_hash)
+            return
         if pin is None:
             pin = self.store.try_get(mm_hash)
             if pin is None:
                 return  # evicted already: the worker will miss, vLLM resends
-        self._inflight.append((pin, pin.nbytes))
+        self._inflight[mm_hash] = (pin, pin.nbytes)
         self._inflight_bytes += pin.nbytes
         while len(self._inflight) > 1 and (
             self._inflight_bytes > self._inflight_budget or len(self._inflight) > _MAX_INFLIGHT
         ):
-            _, n = self._inflight.popleft()
+            _, (_, n) = self._inflight.popitem(last=False)
             self._inflight_bytes -= n
         # Bounded bookkeeping: forget prompt updates of items the store no longer holds
         # (then the oldest), once there are twice as many as the limit allows.

@@ -61,6 +61,10 @@ def test_a_missing_item_raises_vllms_miss_error_with_every_missing_hash_and_a_re
         for h in missing:
             c.sender.invalidate(h)
         assert not c.sender.inline_only, "the store did not hold them: a plain miss"
+        # The front-end no longer pins the deleted objects (its window of recent sends
+        # let go of them), so their memory is free now, and the resend below pins the
+        # new objects, not the old ones.
+        assert c.sender.store.stats()["draining"] == 0
         assert c.request(hashes)[0] == expected(hashes)
         assert c.processed == {"m1": 2, "m2": 1, "m3": 2}
     finally:
