@@ -44,8 +44,9 @@ Settings (environment):
 * ``SHMSTORE_VLLM_PREFETCH=0``: with Ray's executor on several nodes, the engine core
   does not prefetch items to the other nodes (default: it does); workers then fetch on
   their first read.
-* ``SHMSTORE_VLLM_WORKER_KEEP``: the fraction of the store's bytes each worker keeps
-  mapped as ready items for cache hits (default ``0.125``; ``0`` turns it off). A hit on
+* ``SHMSTORE_VLLM_WORKER_KEEP``: the fraction of the store's bytes the workers keep
+  mapped as ready items for cache hits (default ``0.125``, divided among data-parallel
+  ranks; ``0`` turns it off). A hit on
   a kept item costs the worker a dictionary lookup, as in vLLM's ``lru`` receiver, instead
   of a lookup in the store and new tensor views; the kept items stay pinned (not
   evictable) until the worker drops them, least recently used first.
@@ -672,7 +673,11 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
         self._kept: collections.OrderedDict[str, tuple[MultiModalKwargsItem, int]] = (
             collections.OrderedDict())
         self._kept_bytes = 0
-        self._keep_budget = int(self.store.stats()["capacity"] * max(0.0, keep_fraction))
+        # Workers of one data-parallel rank read the same items and mostly keep the same
+        # ones; ranks read different requests: the fraction is shared among the ranks.
+        ranks = max(1, int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1))
+        self._keep_budget = int(
+            self.store.stats()["capacity"] * max(0.0, keep_fraction) / ranks)
 
     @override
     def get_and_update_features(

@@ -161,3 +161,9 @@ def test_a_worker_answers_hits_from_the_items_it_keeps_within_its_budget(store_e
     assert store.stats()["pins"] == 1
     del got
     assert store.stats()["pins"] == 0
+    # Data-parallel ranks read different requests: they share the fraction.
+    ranked = sv.ShmstoreReceiverCache(make_config(data_parallel=2))
+    got = [ranked.get_and_update_item(marker, h) for h in hashes]
+    del got
+    pins = store.stats()["pins"]
+    assert 1 <= pins and pins * size <= (64 << 20) // 16, (pins, size)
