@@ -407,6 +407,11 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
                 "shmstore: multimodal cache in %s (%.1f GiB, %s pages, shared by every "
                 "front-end and worker of this vLLM instance)", name, capacity / (1 << 30),
                 _page_kind(st))
+            if st["page_size"] <= 4096:
+                logger.info(
+                    "shmstore: for 2 MiB pages (no page faults on a worker's first read, "
+                    "page tables 512x smaller), mount a tmpfs with huge=within_size and "
+                    "set SHMSTORE_VLLM_DIR to it (docs/vllm.md, \"Huge pages\")")
             if not read_only:
                 return s
             ro = _native.Store.open(name, read_only=True, populate_in_background=True)

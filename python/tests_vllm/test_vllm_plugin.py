@@ -187,6 +187,8 @@ def test_shmstore_vllm_dir_moves_the_store_its_workers_and_its_cleanup(
         if thp:
             assert sender.store.stats()["huge_pages"]
             assert "2 MiB transparent huge pages" in caplog.text, caplog.text
+        # On 4 KiB pages the log says how to get huge ones; on huge pages it does not.
+        assert ("mount a tmpfs with huge=within_size" in caplog.text) == (not thp), caplog.text
         # A worker process finds the store through the inherited setting and reads an
         # item the front-end put.
         sender.store.put("item", b"pixels" * 1000)
