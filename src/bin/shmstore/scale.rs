@@ -512,16 +512,13 @@ fn page_tables(r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), String> {
         return Ok(());
     };
     progress("scale: first read on huge pages");
-    let (first, warm) = first_read_in(mount, HugePages::Hugetlb)?;
-    r.fig("first_read_huge_ms", first);
-    r.row(
+    first_read_row(
+        r,
+        mount,
+        HugePages::Hugetlb,
+        "first_read_huge_ms",
         "first 64 MiB read, fresh attach, 2 MiB huge pages",
-        format!("{first:.1} ms"),
-        format!("second read {warm:.1} ms"),
-        ratio(first, warm),
-        "<= 1.5x warm",
-    );
-    Ok(())
+    )
 }
 
 /// The mount point of the first file system in /proc/mounts for which `pick(fstype,
@@ -572,10 +569,27 @@ fn transparent_huge_pages(r: &mut Report, progress: &dyn Fn(&str)) -> Result<(),
         ratio(thp, 4096.0),
         "-",
     );
-    let (first, warm) = first_read_in(dir, HugePages::Off)?;
-    r.fig("first_read_thp_ms", first);
-    r.row(
+    first_read_row(
+        r,
+        dir,
+        HugePages::Off,
+        "first_read_thp_ms",
         "first 64 MiB read, fresh attach, transparent huge pages",
+    )
+}
+
+/// Measures [`first_read_in`] and reports it as row `what`, figure `key`.
+fn first_read_row(
+    r: &mut Report,
+    dir: PathBuf,
+    huge_pages: HugePages,
+    key: &'static str,
+    what: &str,
+) -> Result<(), String> {
+    let (first, warm) = first_read_in(dir, huge_pages)?;
+    r.fig(key, first);
+    r.row(
+        what,
         format!("{first:.1} ms"),
         format!("second read {warm:.1} ms"),
         ratio(first, warm),
