@@ -46,10 +46,10 @@ Settings (environment):
   their first read.
 * ``SHMSTORE_VLLM_WORKER_KEEP``: the fraction of the store's bytes the workers keep
   mapped as ready items for cache hits (default ``0.125``, divided among data-parallel
-  ranks; ``0`` turns it off). A hit on
-  a kept item costs the worker a dictionary lookup, as in vLLM's ``lru`` receiver, instead
-  of a lookup in the store and new tensor views; the kept items stay pinned (not
-  evictable) until the worker drops them, least recently used first.
+  ranks; ``0`` turns it off). A hit on a kept item costs the worker a dictionary lookup,
+  as in vLLM's ``lru`` receiver, instead of a lookup in the store and new tensor views;
+  the kept items stay pinned (not evictable) until the worker drops them, least recently
+  used first.
 """
 
 from __future__ import annotations
