@@ -15,11 +15,15 @@ venv=$PWD/python/.venv-vllm
 py=${PYTHON:-python3}
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 pip=("$venv/bin/pip" install -q --disable-pip-version-check)
-if ! "$venv/bin/python" -c "import vllm.multimodal.cache, vllm.v1.serial_utils" 2>/dev/null; then
+# The modules the tests import: the caches, the codec, and the scheduler (whose handling of
+# items covered by the prefix cache and of re-encoding the tests run). cbor2, llguidance
+# and xgrammar (at vLLM's pins) are what the scheduler module needs beyond the rest.
+if ! "$venv/bin/python" -c "import vllm.multimodal.cache, vllm.v1.serial_utils, vllm.v1.core.sched.scheduler" 2>/dev/null; then
   "${pip[@]}" "torch==2.14.0" "numpy>=1.24" msgspec cachetools "pydantic>=2.12" regex \
     psutil blake3 "transformers>=5.16.1,<5.23" pyzmq cloudpickle pillow huggingface_hub \
     tokenizers safetensors pyyaml tqdm requests einops aiohttp pybase64 uvloop py-cpuinfo \
-    openai fastapi prometheus_client "maturin>=1.7,<2" "pytest>=7" ml_dtypes
+    openai fastapi prometheus_client "maturin>=1.7,<2" "pytest>=7" ml_dtypes cbor2 \
+    "llguidance>=1.7,<1.8" "xgrammar==0.2.8"
   "${pip[@]}" --no-deps "vllm==0.34.0"
 fi
 "${pip[@]}" "maturin>=1.7,<2" "pytest>=7"

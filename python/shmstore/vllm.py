@@ -92,7 +92,15 @@ logger = logging.getLogger("shmstore.vllm")
 
 #: The one key of the item the workers receive instead of the data (its value: the
 #: format version). The ``mm_hash`` the request carries for the item is the store key.
-MARKER = "__shmstore__"
+#:
+#: The key is named ``address`` because that is how vLLM 0.34 recognises an item that
+#: its workers resolve themselves (vLLM's own ``shm`` cache sends one), and it must
+#: treat a marker the same way: ``strip_covered_mm_data`` keeps it whole when the prefix
+#: cache covers the item (for an M-RoPE model such as Qwen2-VL the workers compute
+#: positions from the item's ``image_grid_thw``), and the scheduler never replays it to
+#: the model runner as a payload for re-encoding (``_get_encoder_input_updates``),
+#: which would bypass the receiver cache. Its value is the format number, no address.
+MARKER = "address"
 FORMAT = 1
 _STRUCTURE = "vllm"
 
@@ -306,7 +314,9 @@ _MARKER_FIELD = MultiModalBatchedField()
 
 
 def is_marker(item: MultiModalKwargsItem | None) -> bool:
-    return item is not None and len(item) == 1 and MARKER in item
+    """Whether ``item`` is a marker: the item is in the store under the request's
+    ``mm_hash``."""
+    return item is not None and len(item) == 1 and MARKER in item and item[MARKER].data == FORMAT
 
 
 # ----- the store of one vLLM instance ----------------------------------------------------

@@ -96,6 +96,50 @@ def test_the_marker_is_the_key_alone_and_survives_vllms_msgpack():
     assert back == m and sv.is_marker(back)
 
 
+def _scheduler_replays(data):
+    """What vLLM 0.34's scheduler sends the model runner for a request's item as the
+    request is encoded, consumed, then rolled back (a failed KV load) and encoded again:
+    ``encoder_input_updates``, which go to the model runner without the receiver cache.
+    Runs the scheduler's own method on a stand-in for its state."""
+    from types import SimpleNamespace
+
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    spec = MultiModalFeatureSpec(data=data, modality="image", identifier="h",
+                                 mm_position=PlaceholderRange(offset=0, length=4), mm_hash="h")
+    req = SimpleNamespace(mm_features=[spec], num_computed_tokens=0,
+                          num_output_placeholders=0, num_in_flight_tokens=0)
+    sched = SimpleNamespace(_pending_encoder_input_ids={}, requests={"r": req},
+                            is_encoder_decoder=False)
+    updates = Scheduler._get_encoder_input_updates
+    out = [updates(sched, {"r": 4}, [SimpleNamespace(req_id="r", mm_features=[spec])], {"r": [0]})]
+    req.num_computed_tokens = 8  # past the item: consumed
+    out.append(updates(sched, {"r": 1}, [], {}))
+    req.num_computed_tokens = 0  # rolled back: the item is encoded again
+    out.append(updates(sched, {"r": 4}, [], {"r": [0]}))
+    return [p for u in out for p in u.get("r", {}).values() if p is not None]
+
+
+def test_vllms_scheduler_keeps_a_marker_whole_and_never_replays_it_past_the_receiver():
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.multimodal.utils import strip_covered_mm_data
+
+    marker = sv.marker_item()
+    # Covered by the prefix cache: kept whole, with or without M-RoPE (Qwen2-VL's workers
+    # compute positions from image_grid_thw, which the worker then reads from the store).
+    spec = MultiModalFeatureSpec(data=marker, modality="image", identifier="h",
+                                 mm_position=PlaceholderRange(offset=0, length=4), mm_hash="h")
+    for mrope in (False, True):
+        (kept,) = strip_covered_mm_data([spec], num_computed_tokens=8, uses_mrope=mrope)
+        assert kept.data is marker
+    # A rollback replays an inline item's data to the model runner (the stand-in drives
+    # the real path), never a marker: the model would get it in place of tensors.
+    inline = make_item("replayed", kind="image")
+    assert _scheduler_replays(inline) == [inline]
+    assert _scheduler_replays(marker) == []
+
+
 def test_items_it_cannot_hold_go_inline_with_one_log_line(store_env, caplog):
     sender = sv.ShmstoreSenderCache(make_config(max_object_mb=1))
     odd = MultiModalKwargsItem(
