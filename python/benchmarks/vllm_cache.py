@@ -28,6 +28,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import pickle
 import resource
 import statistics
 import sys
@@ -37,7 +38,7 @@ import uuid
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests_vllm"))
-from harness import make_config, setup_process, worker_main  # noqa: E402
+from harness import make_config, send_request, setup_process, worker_main  # noqa: E402
 
 
 def cpu_s() -> float:
@@ -58,7 +59,8 @@ def make_items(kind: str, tag: str):
         return MultiModalKwargsItem(
             {
                 key: MultiModalFieldElem(data=pix, field=MultiModalFlatField(slices=[slice(0, rows)], dim=0)),
-                grid: MultiModalFieldElem(data=torch.tensor([1, rows // 40, 40]), field=MultiModalBatchedField()),
+                grid: MultiModalFieldElem(
+                    data=torch.tensor([1, rows // 40, 40]), field=MultiModalBatchedField(keep_on_cpu=True)),
             }
         )
 
@@ -83,7 +85,8 @@ def engine_main(kind, config, conn, n_workers, env, method):
         workers.append((p, a))
     conn.send("ready")
     while True:
-        msg = conn.recv()
+        raw = conn.recv_bytes()
+        msg = pickle.loads(raw)
         if msg is None:
             break
         if msg == "cpu":
@@ -93,13 +96,12 @@ def engine_main(kind, config, conn, n_workers, env, method):
                 cpus.append(w.recv()[1])
             conn.send((cpu_s(), cpus))
             continue
-        req, entries, mode = msg
-        bufs = [[conn.recv_bytes() for _ in range(n)] for _, n in entries]
+        # Forwarded as received: the request's one message, then its large frames.
+        large = [conn.recv_bytes() for n in msg[1] if n < 0]
         for _, w in workers:
-            w.send(msg)
-            for b in bufs:
-                for chunk in b:
-                    w.send_bytes(chunk)
+            w.send_bytes(raw)
+            for frame in large:
+                w.send_bytes(frame)
         replies = [w.recv() for _, w in workers]
         conn.send(replies)
     for p, w in workers:
@@ -138,10 +140,8 @@ class Instance:
         finally:
             s.release_sender_touches()
         bufs = [None if o is None else list(self.encoder.encode(o)) for o in outs]
-        self.conn.send((0, [(h, 0 if b is None else len(b)) for h, b in zip(hashes, bufs)], "fast"))
-        for b in bufs:
-            for chunk in b or ():
-                self.conn.send_bytes(chunk)
+        header = (0, [(h, 0 if b is None else len(b), None) for h, b in zip(hashes, bufs)], "fast")
+        send_request(self.conn, header, bufs)
         replies = self.conn.recv()
         assert all(r[0] == "ok" for r in replies), replies
         return max(r[2] for r in replies)  # the slowest worker's receiver time

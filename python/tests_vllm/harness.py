@@ -5,12 +5,14 @@ shmstore's, so their results can be compared item by item.
 
 Per request the driver does what vLLM's processor does (``is_cached``, process the
 missing items, ``touch_sender_cache_item`` for all, ``get_and_update_item`` for each,
-``release_sender_touches``), optionally strips some items to ``data=None`` the way the
-engine does for items covered by the prefix cache, encodes each item with
-``MsgpackEncoder`` and sends it to every worker. A worker decodes with
-``MsgpackDecoder(MultiModalKwargsItem)``, runs ``get_and_update_features`` and answers
-with a digest of every item it got (keys, field kinds and parameters, dtypes, shapes and
-bytes), or with the hashes a ``MultiModalCacheMissError`` named: then the driver
+``release_sender_touches``), optionally runs vLLM's own ``strip_covered_mm_data`` on
+some items, as its scheduler does for items covered by the prefix cache (``data=None``,
+or only the ``keep_on_cpu`` fields for M-RoPE models), encodes each item with
+``MsgpackEncoder`` and sends the request to every worker as one message. A worker
+decodes with ``MsgpackDecoder(MultiModalKwargsItem)``, runs ``get_and_update_features``
+and answers with a digest of what the model runner will use of every item (keys, field
+kinds and parameters, dtypes, shapes and bytes), or with the hashes a
+``MultiModalCacheMissError`` named: then the driver
 invalidates them and retries the request, as vLLM's retry path does.
 """
 
@@ -88,7 +90,8 @@ def _seed(h: str) -> int:
 
 def make_item(h: str, *, scale: float = 1.0, kind: str | None = None):
     """A deterministic ``MultiModalKwargsItem`` for hash ``h``, shaped like vLLM inputs:
-    a Qwen2-VL-style image (flat float32 ``pixel_values`` + batched ``image_grid_thw``),
+    a Qwen2-VL-style image (flat float32 ``pixel_values`` + batched ``image_grid_thw``,
+    kept on the CPU for M-RoPE positions as Qwen2-VL declares it),
     a video (bfloat16 ``pixel_values_videos``), a list of tensors of different shapes
     with plain numbers, or an item with a shared field. ``scale`` scales the sizes; a
     hash ending in ``!`` makes an item of 12 MiB (oversize for small test caches)."""
@@ -113,7 +116,7 @@ def make_item(h: str, *, scale: float = 1.0, kind: str | None = None):
                     data=pix, field=MultiModalFlatField(slices=[slice(0, n)], dim=0)
                 ),
                 "image_grid_thw": MultiModalFieldElem(
-                    data=torch.tensor([1, n // 4, 4]), field=MultiModalBatchedField()
+                    data=torch.tensor([1, n // 4, 4]), field=MultiModalBatchedField(keep_on_cpu=True)
                 ),
             }
         )
@@ -126,7 +129,7 @@ def make_item(h: str, *, scale: float = 1.0, kind: str | None = None):
                     data=vid, field=MultiModalFlatField(slices=[slice(0, n)], dim=0)
                 ),
                 "video_grid_thw": MultiModalFieldElem(
-                    data=torch.tensor([2, n // 8, 4]), field=MultiModalBatchedField()
+                    data=torch.tensor([2, n // 8, 4]), field=MultiModalBatchedField(keep_on_cpu=True)
                 ),
             }
         )
@@ -165,10 +168,13 @@ def _digest_into(m, x) -> None:
         m.update(repr(x).encode())
 
 
-def digest(item) -> str:
-    """Keys, field kinds with their parameters, and every tensor's dtype, shape, bytes."""
+def digest(item, *, keep_on_cpu_only: bool = False) -> str:
+    """Keys, field kinds with their parameters, and every tensor's dtype, shape, bytes
+    (of the fields marked ``keep_on_cpu`` alone, if asked)."""
     m = hashlib.blake2b(digest_size=16)
     for k in sorted(item):
+        if keep_on_cpu_only and not item[k].field.keep_on_cpu:
+            continue
         elem = item[k]
         m.update(k.encode())
         m.update(repr(elem.field).encode())
@@ -226,6 +232,73 @@ def is_inline(kind: str, item) -> bool:
     return True
 
 
+# ----- prefix caching ---------------------------------------------------------------------
+
+
+def covered_by_prefix_cache(item, mm_hash: str, *, mrope: bool):
+    """What vLLM's scheduler sends the workers for an item whose placeholder lies inside
+    the prefix-cache-covered part of the prompt: its own ``strip_covered_mm_data``, which
+    drops the data (``None``), keeps only the ``keep_on_cpu`` fields for M-RoPE models,
+    and keeps vLLM ``shm`` address items whole."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.multimodal.utils import strip_covered_mm_data
+
+    spec = MultiModalFeatureSpec(
+        data=item, modality="image", identifier=mm_hash,
+        mm_position=PlaceholderRange(offset=0, length=1), mm_hash=mm_hash)
+    (spec,) = strip_covered_mm_data([spec], num_computed_tokens=1, uses_mrope=mrope)
+    return spec.data
+
+
+def report(data, cover: str | None) -> str | None:
+    """A worker's digest of what vLLM's model runner will use of an item: all of it,
+    or for an item covered by the prefix cache, its ``keep_on_cpu`` fields under M-RoPE
+    (the positions are computed from them) and nothing otherwise."""
+    if cover is None:
+        return None if data is None else digest(data)
+    if cover == "mrope":
+        return "no data" if data is None else digest(data, keep_on_cpu_only=True)
+    return None
+
+
+# ----- the wire ---------------------------------------------------------------------------
+
+# Frames below this size travel together in the request's one message; larger ones (a
+# tensor sent inline) follow as their own messages, uncopied, as ZMQ's multipart does.
+_JOIN_BELOW = 1 << 20
+
+
+def send_request(conn, header, bufs) -> None:
+    """Sends one request as vLLM does: one message (``header`` plus every small frame of
+    every item), then each large frame by itself. ``bufs`` holds each item's encoded
+    frames, or None for an item that carries no data."""
+    small, large, layout = [], [], []
+    for b in bufs:
+        for frame in b or ():
+            n = memoryview(frame).nbytes
+            if n < _JOIN_BELOW:
+                small.append(frame)
+                layout.append(n)
+            else:
+                large.append(frame)
+                layout.append(-n)
+    conn.send((header, layout, b"".join(small)))
+    for frame in large:
+        conn.send_bytes(frame)
+
+
+def recv_frames(conn, layout, blob) -> list:
+    """The frames of a request received with ``send_request``, in order."""
+    frames, at, view = [], 0, memoryview(blob)
+    for n in layout:
+        if n >= 0:
+            frames.append(view[at : at + n])
+            at += n
+        else:
+            frames.append(conn.recv_bytes())
+    return frames
+
+
 # ----- a worker process -----------------------------------------------------------------
 
 
@@ -255,12 +328,14 @@ def worker_main(kind: str, config, conn, lock, env: dict[str, str]) -> None:
         if msg == "cpu":
             conn.send(("cpu", _cpu_s()))
             continue
-        req, entries, mode = msg
+        (req, entries, mode), layout, blob = msg
+        frames = recv_frames(conn, layout, blob)
         features = []
-        for h, nbufs in entries:
+        for h, nbufs, _ in entries:
             data = None
             if nbufs:
-                data = decoder.decode([conn.recv_bytes() for _ in range(nbufs)])
+                data = decoder.decode(frames[:nbufs])
+                del frames[:nbufs]
             features.append(
                 MultiModalFeatureSpec(
                     data=data,
@@ -285,7 +360,7 @@ def worker_main(kind: str, config, conn, lock, env: dict[str, str]) -> None:
             held = [f.data for f in features]
             conn.send(("ok", req, time.perf_counter() - t0))
             continue
-        digests = [None if f.data is None else digest(f.data) for f in features]
+        digests = [report(f.data, cover) for f, (_, _, cover) in zip(features, entries)]
         if mode == "hold":
             held.append(features)  # keep the tensors (and their pins)
             conn.send(("holding", req, digests))
@@ -310,8 +385,12 @@ class Cluster:
         env: dict[str, str] | None = None,
         sender=None,
         item_scale: float = 1.0,
+        mrope: bool = False,
     ):
         self.kind, self.config = kind, config
+        #: Whether the model uses M-RoPE (Qwen2-VL): then the scheduler keeps the fields
+        #: marked ``keep_on_cpu`` of items covered by the prefix cache.
+        self.mrope = mrope
         self.env = dict(env or {})
         self.item_scale = item_scale
         setup_process(self.env)
@@ -368,22 +447,22 @@ class Cluster:
                 outs.append(item)
         finally:
             sender.release_sender_touches()
-        bufs = []
-        for i, item in enumerate(outs):
+        bufs, covered = [], []
+        for i, (h, item) in enumerate(zip(hashes, outs)):
+            cover = None
             if i in strip:
-                bufs.append(None)
+                item = covered_by_prefix_cache(item, h, mrope=self.mrope)
+                cover = "mrope" if self.mrope else "unused"
                 self.stripped += 1
             else:
                 self.inline += is_inline(self.kind, item)
-                bufs.append(self._encode(item))
+            bufs.append(None if item is None else self._encode(item))
+            covered.append(cover)
         req = random.random()
         targets = range(len(self.workers)) if to is None else to
+        header = (req, [(h, 0 if b is None else len(b), c) for h, b, c in zip(hashes, bufs, covered)], mode)
         for w in targets:
-            conn = self.workers[w][1]
-            conn.send((req, [(h, 0 if b is None else len(b)) for h, b in zip(hashes, bufs)], mode))
-            for b in bufs:
-                for chunk in b or ():
-                    conn.send_bytes(chunk)
+            send_request(self.workers[w][1], header, bufs)
         return req, list(targets)
 
     def collect(self, req, targets):
@@ -429,8 +508,19 @@ class Cluster:
             self.sender.close()
 
 
-def expected(hashes: list[str], strip=frozenset(), scale: float = 1.0) -> list[str | None]:
-    return [None if i in strip else digest(make_item(h, scale=scale)) for i, h in enumerate(hashes)]
+def expected(
+    hashes: list[str], strip=frozenset(), scale: float = 1.0, mrope: bool = False
+) -> list[str | None]:
+    """What each worker must report for each item (see ``worker_main``)."""
+    out = []
+    for i, h in enumerate(hashes):
+        if i not in strip:
+            out.append(digest(make_item(h, scale=scale)))
+        elif mrope:
+            out.append(digest(make_item(h, scale=scale), keep_on_cpu_only=True))
+        else:
+            out.append(None)
+    return out
 
 
 def random_stream(seed: int, n_requests: int, pool: int, *, oversize_every: int = 0):
