@@ -23,6 +23,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 /// Huge pages for the store's memory: one page-table entry per 2 MiB instead of per
 /// 4 KiB (a 100 GiB store costs each attached process ~200 MiB of page tables with 4 KiB
@@ -111,7 +112,9 @@ pub(crate) struct Mapping {
     map: MmapRaw,
     file: File,
     path: Option<PathBuf>,
-    huge: bool,
+    /// Whether the kernel gives the file transparent huge pages: found on first ask
+    /// (`stats()`), not at every create and open, because it reads /proc/self/mountinfo.
+    huge: OnceLock<bool>,
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> Error + 'a {
@@ -306,12 +309,11 @@ impl Mapping {
             // does not change its contents.
             unsafe { libc::madvise(map.as_mut_ptr().cast(), map.len(), libc::MADV_HUGEPAGE) };
         }
-        let huge = thp_backed(&file);
         let m = Mapping {
             map,
             file,
             path,
-            huge,
+            huge: OnceLock::new(),
         };
         if prefault {
             m.prefault();
@@ -621,7 +623,7 @@ impl Mapping {
     /// Whether the kernel gives this store's file transparent huge pages (see
     /// `thp_backed`).
     pub(crate) fn huge_pages(&self) -> bool {
-        self.huge
+        *self.huge.get_or_init(|| thp_backed(&self.file))
     }
 
     /// The page size backing the store: the huge page size on hugetlbfs (`fstatfs`'s
@@ -630,7 +632,7 @@ impl Mapping {
     pub(crate) fn page_size(&self) -> u64 {
         match fs_of(&self.file) {
             Some((true, page)) => page,
-            _ if self.huge => thp_size(),
+            _ if self.huge_pages() => thp_size(),
             _ => PAGE,
         }
     }
