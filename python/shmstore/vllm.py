@@ -144,7 +144,6 @@ class Unsupported(ValueError):
 # ----- the item format ---------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
 @functools.cache
 def _field_layout(cls) -> tuple[str | None, tuple[str, ...]]:
     """A field class's factory name (vLLM's own table) and the names of its parameters
