@@ -222,7 +222,8 @@ class Store:
     def path(self) -> str | None:
         """The store's file, or None for an anonymous store."""
     def prefault(self) -> None:
-        """Populates this process's page tables for the whole store, without the GIL."""
+        """Populates this process's page tables for the whole store, without the GIL,
+        after stopping the store's background population (whose work this does)."""
     @property
     def heap_region(self) -> tuple[int, int]:
         """``(address, length)`` of the payload heap in this process."""

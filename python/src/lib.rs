@@ -879,7 +879,8 @@ impl PyStore {
 
     /// Populates this process's page tables for the whole store, without the GIL (so that
     /// first writes into fresh blocks take no page faults); run it on a background thread
-    /// for large stores.
+    /// for large stores. Stops the store's own background population first (its work is
+    /// done here): when it returns, no thread works for this store in this process.
     fn prefault(&self, py: Python<'_>) {
         py.detach(|| self.s.prefault())
     }

@@ -180,20 +180,7 @@ const FIRST_POPULATED: u64 = 64 << 20;
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let populator = self
-            .populator
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some((stop, handle, generation)) = populator {
-            if generation == liveness::generation() {
-                stop.store(1, Ordering::Relaxed);
-                let _ = handle.join();
-            } else {
-                // Inherited across fork: the thread does not exist in this process.
-                std::mem::forget(handle);
-            }
-        }
+        self.stop_populating();
         let p = self.binding.load(Ordering::Acquire);
         if p.is_null() {
             return;
@@ -573,6 +560,42 @@ impl Inner {
             let mut slot = self.populator.lock().unwrap_or_else(|e| e.into_inner());
             *slot = Some((stop, handle, liveness::generation()));
         }
+    }
+
+    /// Stops this process's background population, if it runs one, and waits for its
+    /// current chunk (a few milliseconds): from then on no thread works for this store.
+    pub(super) fn stop_populating(&self) {
+        let populator = self
+            .populator
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some((stop, handle, generation)) = populator {
+            if generation == liveness::generation() {
+                stop.store(1, Ordering::Relaxed);
+                let _ = handle.join();
+            } else {
+                // Inherited across fork: the thread does not exist in this process.
+                std::mem::forget(handle);
+            }
+        }
+    }
+
+    /// Populates this process's page tables for the whole store now: the metadata for
+    /// writing (it is writable in every attach), the heap for writing, or for reading in a
+    /// read-only attach (whose heap pages are read-only; writing there would fail).
+    pub(super) fn populate_everything(&self) {
+        self.map.populate(0, self.sb.heap_offset as usize, true);
+        self.populate_chunks(self.heap, self.sb.heap_size, true);
+    }
+
+    /// Whether a background population thread is registered for this store (tests).
+    #[cfg(test)]
+    pub(super) fn populating(&self) -> bool {
+        self.populator
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
     /// The payload heap in this process: address and length.

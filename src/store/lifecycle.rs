@@ -246,12 +246,91 @@ impl Store {
     /// blocks take no page faults. Blocks the calling thread for as long as that takes
     /// (about 0.1-1 s per GiB); run it on a background thread to keep attach instant.
     ///
+    /// The background population that create and open may start
+    /// ([`StoreConfig::populate_in_background`]) is stopped first, since this does its
+    /// work: when `prefault` returns, no thread is left working for this store in this
+    /// process. In a read-only attach it maps the payload for reading.
+    ///
     /// ```
     /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig { prefault: false, ..shmstore::StoreConfig::with_capacity(1 << 20) })?;
     /// s.prefault();
     /// # Ok::<(), shmstore::Error>(())
     /// ```
     pub fn prefault(&self) {
-        self.inner.map.prefault()
+        self.inner.stop_populating();
+        self.inner.populate_everything()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefault_stops_the_background_population_first() {
+        let cfg = StoreConfig {
+            prefault: false,
+            populate_in_background: true,
+            ..StoreConfig::with_capacity(64 << 20)
+        };
+        let s = Store::create_anonymous(&cfg).unwrap();
+        assert!(
+            s.inner.populating(),
+            "create started a background population"
+        );
+        s.prefault();
+        assert!(
+            !s.inner.populating(),
+            "prefault did its work: no thread is left"
+        );
+    }
+
+    /// Resident KiB of the mapping (VMA) of this process that holds `addr`.
+    fn resident_kib_at(addr: usize) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            let first = line.split(' ').next().unwrap_or("");
+            if let Some((a, b)) = first.split_once('-') {
+                if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+                {
+                    inside = a <= addr && addr < b;
+                    continue;
+                }
+            }
+            if let Some(v) = line.strip_prefix("Rss:").filter(|_| inside) {
+                return v.trim().trim_end_matches("kB").trim().parse().unwrap();
+            }
+        }
+        panic!("no mapping holds {addr:#x}");
+    }
+
+    #[test]
+    fn prefault_maps_a_read_only_attach_for_reading() {
+        let name = format!("prefault-ro-{}", std::process::id());
+        let cfg = StoreConfig {
+            prefault: false,
+            populate_in_background: false,
+            ..StoreConfig::with_capacity(16 << 20)
+        };
+        let creator = Store::create(&name, &cfg).unwrap();
+        let opts = AttachOptions {
+            read_only: true,
+            ..AttachOptions::default()
+        };
+        let reader = Store::open_with(creator.path().unwrap(), &opts).unwrap();
+        let (heap, len) = reader.heap_region();
+        let heap_kib = len as u64 >> 10;
+        assert!(
+            resident_kib_at(heap as usize) < heap_kib / 4,
+            "nothing mapped yet"
+        );
+        reader.prefault();
+        let mapped = resident_kib_at(heap as usize);
+        creator.unlink().unwrap();
+        assert!(
+            mapped >= heap_kib * 9 / 10,
+            "{mapped} of {heap_kib} KiB of the heap mapped"
+        );
     }
 }
