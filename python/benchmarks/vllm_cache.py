@@ -25,6 +25,7 @@ same hashes again.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -162,7 +163,9 @@ def measure(kind, n, item_kind, rounds, env, cache_gb):
     try:
         per_item = len(make_items(item_kind, "warm"))
         if inst.kind == "shmstore":
-            inst.sender.store.prefault()  # what the background thread does at start, done now
+            # What the background thread does at start, done now (and the thread stopped):
+            # its CPU would otherwise count as the front-end's.
+            inst.sender.store.prefault()
         inst.request(make_items(item_kind, "warm"))  # warm the paths (not measured)
         out = {}
         for phase in ("first", "hit"):
@@ -173,6 +176,10 @@ def measure(kind, n, item_kind, rounds, env, cache_gb):
                     inst.request(items)  # makes them cached
                 sets = [sets[i % rounds] for i in range(n_sets)]
             lat, recv = [], []
+            # A full collection now, so that none lands inside this phase: one of the
+            # front-end's heap (vLLM, torch, transformers loaded) takes ~0.3 s, which is
+            # as much CPU as 768 burst items, and fell on whichever cache ran at the time.
+            gc.collect()
             p0, (e0, w0) = cpu_s(), inst.cpu()
             for items in sets:
                 t = time.perf_counter()
@@ -207,6 +214,10 @@ def main() -> None:
         "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": f"vllm-bench-ring-{os.getpid()}",
         "SHMSTORE_VLLM": "1",
         "SHMSTORE_VLLM_CUDA_REGISTER": "0",
+        # Workers map the store before measuring (harness.worker_main), as the front-end
+        # populates it (measure): their background threads would otherwise still be at
+        # it, taking CPU from the run.
+        "SHMSTORE_HARNESS_PREFAULT": "1",
     }
     setup_process(env)
     results = []
@@ -214,7 +225,9 @@ def main() -> None:
         for item in args.items.split(","):
             for n in map(int, args.workers.split(",")):
                 for kind in args.kinds.split(","):
-                    rounds = args.rounds if item != "burst" else max(2, args.rounds // 2)
+                    # A burst request is cheap and its per-item CPU figures are small: more
+                    # requests (12 by default, 768 items) keep their ratios out of the noise.
+                    rounds = args.rounds if item != "burst" else 2 * args.rounds
                     r = measure(kind, n, item, rounds, env, args.cache_gb)
                     for phase, m in r.items():
                         results.append({"item": item, "workers": n, "kind": kind, "phase": phase, **m})
