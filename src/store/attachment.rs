@@ -175,8 +175,13 @@ const MAINTENANCE_CHECK: u64 = 256;
 pub(super) const POPULATE_MIN: u64 = 256 << 10;
 /// The heap's population is tracked per chunk of this many bytes.
 const POPULATE_CHUNK: u64 = 2 << 20;
-/// Heap bytes the creator populates before `create` returns (the rest in background).
-const FIRST_POPULATED: u64 = 64 << 20;
+/// What the background population does between two looks at this process's large
+/// writes (and at its stop flag).
+const POPULATE_PIECE: u64 = 256 << 10;
+/// Heap bytes the creator populates before `create` returns (the rest in background):
+/// room for a 64 MiB object with its header, which spills one page past 64 MiB (without
+/// the extra chunk, a first 64 MiB put zeroed that chunk's 2 MiB itself).
+const FIRST_POPULATED: u64 = (64 << 20) + POPULATE_CHUNK;
 
 impl Drop for Inner {
     fn drop(&mut self) {
@@ -494,11 +499,8 @@ impl Inner {
         let (first, last) = (off / POPULATE_CHUNK, (off + len - 1) / POPULATE_CHUNK);
         let mut todo = None;
         for c in first..=last {
-            let word = &self.populated[(c / 64) as usize];
-            let bit = 1u64 << (c % 64);
-            if word.load(Ordering::Relaxed) & bit == 0 {
+            if self.claim_chunk(c) {
                 todo.get_or_insert(c);
-                word.fetch_or(bit, Ordering::Relaxed);
             }
         }
         let Some(from) = todo else { return };
@@ -511,6 +513,13 @@ impl Inner {
             (end - start) as usize,
             write,
         );
+    }
+
+    /// Marks chunk `c` of the heap populated in this process: true if it was not (the
+    /// caller then populates it). Lock-free: one `fetch_or` on the chunk's bit.
+    fn claim_chunk(&self, c: u64) -> bool {
+        let bit = 1u64 << (c % 64);
+        self.populated[(c / 64) as usize].fetch_or(bit, Ordering::Relaxed) & bit == 0
     }
 
     /// Populates the whole heap, bottom up, chunk by chunk, on a background thread: for
@@ -537,23 +546,41 @@ impl Inner {
                 // SAFETY: `Inner::drop` sets `flag` and joins this thread before any field
                 // of the `Inner` is dropped, so the pointer stays valid while we run.
                 let inner = unsafe { &*(this as *const Inner) };
-                let step = 4 * POPULATE_CHUNK;
+                // A read-only attach can only populate for reading.
+                let write = write && !inner.read_only;
+                let heap = inner.sb.heap_size;
                 let mut off = 0;
-                while off < inner.sb.heap_size && flag.load(Ordering::Relaxed) == 0 {
-                    // Yield to this process's large puts (a put that races this thread
-                    // for memory bandwidth took 1.5-2.6x its warm time at 1 GiB). The
-                    // sleep is a poll, not a wait for an event: this thread only warms
-                    // pages ahead of use, so resuming a millisecond late changes no
-                    // result, and the stop flag is still checked every round.
-                    if inner.large_writes.load(Ordering::Relaxed) != 0 {
-                        std::thread::sleep(std::time::Duration::from_millis(1));
+                'chunks: while off < heap {
+                    let end = (off + POPULATE_CHUNK).min(heap);
+                    if !inner.claim_chunk(off / POPULATE_CHUNK) {
+                        off = end; // populated already (the head, or by a put here)
                         continue;
                     }
-                    let len = step.min(inner.sb.heap_size - off);
-                    // SAFETY: `off + len <= heap_size`: inside the heap.
-                    let data = unsafe { inner.heap.add(off as usize) };
-                    inner.populate_chunks(data, len, write);
-                    off += len;
+                    // A claimed chunk is populated in pieces of 256 KiB, so that a large
+                    // write waits for at most one piece (0.05 ms of zeroing) before this
+                    // thread pauses for it: a put that raced this thread for memory
+                    // bandwidth took 1.5-2.6x its warm time. The sleep is a poll, not a wait for an event: this
+                    // thread only warms pages ahead of use, so resuming a millisecond
+                    // late changes no result. A chunk left half done when the store is
+                    // dropped needs nothing: population never changes contents.
+                    let mut at = off;
+                    while at < end {
+                        if flag.load(Ordering::Relaxed) != 0 {
+                            break 'chunks;
+                        }
+                        if inner.large_writes.load(Ordering::Relaxed) != 0 {
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                            continue;
+                        }
+                        let piece = POPULATE_PIECE.min(end - at);
+                        inner.map.populate(
+                            (inner.sb.heap_offset + at) as usize,
+                            piece as usize,
+                            write,
+                        );
+                        at += piece;
+                    }
+                    off = end;
                 }
             });
         if let Ok(handle) = spawned {

@@ -250,12 +250,15 @@ impl Store {
         // SAFETY: the block is ours alone until sealed (fresh allocation, entry CREATING,
         // unsealed objects cannot be pinned); meta fits before the data (resolve checked).
         unsafe { std::ptr::copy_nonoverlapping(meta.as_ptr(), res.meta, meta.len()) };
-        // A large block: map its pages for writing in one call, not one fault per page.
-        inner.populate(res.data, len, true);
+        // A large write is announced before its pages are populated, so that the
+        // creator's background zeroing pauses for the populate too (two threads zeroing
+        // shmem pages at once contend in the kernel).
         let large = len >= attachment::POPULATE_MIN;
         if large {
             inner.large_writes.fetch_add(1, Ordering::Relaxed);
         }
+        // A large block: map its pages for writing in one call, not one fault per page.
+        inner.populate(res.data, len, true);
         Ok(Some(Creation {
             inner: Arc::clone(&self.inner),
             id: *id,
