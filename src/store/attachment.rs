@@ -559,10 +559,11 @@ impl Inner {
                     // A claimed chunk is populated in pieces of 256 KiB, so that a large
                     // write waits for at most one piece (0.05 ms of zeroing) before this
                     // thread pauses for it: a put that raced this thread for memory
-                    // bandwidth took 1.5-2.6x its warm time. The sleep is a poll, not a wait for an event: this
-                    // thread only warms pages ahead of use, so resuming a millisecond
-                    // late changes no result. A chunk left half done when the store is
-                    // dropped needs nothing: population never changes contents.
+                    // bandwidth took 1.5-2.6x its warm time. The sleep is a poll, not a
+                    // wait for an event: this thread only warms pages ahead of use, so
+                    // resuming a millisecond late changes no result. A chunk left half
+                    // done when the store is dropped needs nothing: population never
+                    // changes contents.
                     let mut at = off;
                     while at < end {
                         if flag.load(Ordering::Relaxed) != 0 {
