@@ -68,7 +68,11 @@ pub(crate) struct Globals {
     /// Corrections the leak sweep found, as wrapping deltas: used bytes, sealed objects,
     /// objects being created, objects draining (see `crate::recovery`).
     pub correction: [AtomicU64; 4],
-    _pad3: [u64; 28],
+    /// Heap bytes the creator rebuilt as 2 MiB pages (`HugePages::Auto`): a count that only
+    /// grows, read for `Stats::huge_page_bytes` (clamped to the heap; it informs, nothing
+    /// depends on it).
+    pub huge_bytes: AtomicU64,
+    _pad3: [u64; 27],
 }
 
 const _: () = assert!(std::mem::size_of::<Globals>() as u64 == crate::layout::GLOBALS_SIZE);

@@ -30,20 +30,31 @@ use std::sync::OnceLock;
 /// pages, ~0.4 MiB with 2 MiB pages; docs/design.md, "Prefaulting and page tables").
 ///
 /// ```
-/// let cfg = shmstore::StoreConfig { huge_pages: shmstore::HugePages::Try, ..Default::default() };
-/// assert_eq!(cfg.huge_pages, shmstore::HugePages::Try);
+/// let cfg = shmstore::StoreConfig { huge_pages: shmstore::HugePages::Off, ..Default::default() };
+/// assert_eq!(shmstore::StoreConfig::default().huge_pages, shmstore::HugePages::Auto);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum HugePages {
+    /// 2 MiB pages wherever the kernel lets an unprivileged process have them, with no
+    /// setup: on a default tmpfs such as /dev/shm (or a memfd), the creator's background
+    /// population ([`crate::StoreConfig::populate_in_background`], or
+    /// [`crate::Store::prefault`]) asks the kernel to rebuild each 2 MiB of the heap as
+    /// one 2 MiB page (`MADV_COLLAPSE`, Linux 6.1 and later; allowed under every
+    /// `shmem_enabled` policy but `deny`), and every process maps the store on a 2 MiB
+    /// boundary, so it maps such a page with one page-table entry at its first touch
+    /// instead of 512. Where the kernel cannot (older, `deny`, no free 2 MiB block of
+    /// memory), pages stay 4 KiB and everything works the same; otherwise as `Off`.
+    /// [`crate::Stats::huge_page_bytes`] says how much of the heap is on 2 MiB pages.
+    #[default]
+    Auto,
     /// Whatever the file system gives: 4 KiB pages on a default tmpfs such as /dev/shm.
     /// A named store in a hugetlbfs directory gets that file system's huge pages, and one
     /// in a tmpfs mounted with `huge=within_size` (or `huge=always`) gets transparent huge
-    /// pages of 2 MiB wherever the kernel finds them free, with no reservation: the
-    /// easiest way to huge pages (docs/design.md, "Huge pages").
-    /// [`crate::Stats::huge_pages`] and [`crate::Stats::page_size`] say what is in effect.
-    #[default]
+    /// pages of 2 MiB wherever the kernel finds them free, with no reservation
+    /// (docs/design.md, "Huge pages"). [`crate::Stats::huge_pages`] and
+    /// [`crate::Stats::page_size`] say what is in effect.
     Off,
-    /// Also advise transparent huge pages on the mapping (`MADV_HUGEPAGE`). The kernel
+    /// `Auto`, and also advise transparent huge pages on the mapping (`MADV_HUGEPAGE`). The kernel
     /// decides at allocation time: an anonymous store (a memfd) gets them where
     /// `shmem_enabled` is `within_size` or `always`, a named one where its tmpfs is
     /// mounted so (as with `Off`). `advise` policies do not take effect, because the
@@ -107,9 +118,20 @@ fn whole_pages(total: u64, page: u64) -> u64 {
     total.div_ceil(page.max(PAGE)) * page.max(PAGE)
 }
 
+/// The transparent huge page size the mapping is placed for (the PMD size on x86-64 and
+/// arm64 with 4 KiB pages).
+pub(crate) const HUGE_PAGE: u64 = 2 << 20;
+
 /// A mapped region plus the file that backs it.
 pub(crate) struct Mapping {
+    /// memmap2's mapping, which owns the address range (unmapped on drop). On a file
+    /// system without huge pages of its own it is [`HUGE_PAGE`] longer than the store and
+    /// the store is mapped again at its first 2 MiB boundary (see [`map`]).
     map: MmapRaw,
+    /// Where the store starts inside `map`.
+    offset: usize,
+    /// The store's mapped length.
+    len: usize,
     file: File,
     path: Option<PathBuf>,
     /// Whether the kernel gives the file transparent huge pages: found on first ask
@@ -210,11 +232,61 @@ fn reserve_range(file: &File, at: u64, n: u64, len: u64, path: &Path) -> Result<
     }
 }
 
-fn map(file: &File, len: u64, path: &Path) -> Result<MmapRaw> {
-    MmapOptions::new()
-        .len(len as usize)
+/// Maps `len` bytes of `file` for reading and writing. Unless the file is on hugetlbfs
+/// (whose mappings the kernel aligns to its page size), file offset 0 is placed on a
+/// 2 MiB boundary of the address space: a default tmpfs gets no such alignment from the
+/// kernel, and without it no 2 MiB page of the file could be mapped with one entry
+/// (`HugePages::Auto` builds such pages). memmap2 maps 2 MiB more than asked (past the
+/// end of the file, which reserves address space and nothing else), then the file is
+/// mapped again over that range at the boundary; the slack around it is made
+/// inaccessible. Returns the mapping and where the store starts in it.
+fn map(file: &File, len: u64, path: &Path) -> Result<(MmapRaw, usize)> {
+    let len = usize::try_from(len).map_err(|_| Error::InvalidConfig {
+        reason: format!("a store of {len} bytes does not fit this address space"),
+    })?;
+    if matches!(fs_of(file), Some((true, _))) {
+        let raw = MmapOptions::new()
+            .len(len)
+            .map_raw(file)
+            .map_err(io_err("mmap", path))?;
+        return Ok((raw, 0));
+    }
+    let huge = HUGE_PAGE as usize;
+    let raw = MmapOptions::new()
+        .len(len + huge)
         .map_raw(file)
-        .map_err(io_err("mmap", path))
+        .map_err(io_err("mmap", path))?;
+    let at = raw.as_mut_ptr() as usize;
+    let offset = at.next_multiple_of(huge) - at;
+    if offset != 0 {
+        use std::os::fd::AsRawFd;
+        // SAFETY: `[at + offset, at + offset + len)` lies inside `raw` (offset < 2 MiB),
+        // which this function alone holds and nothing has accessed; MAP_FIXED replaces
+        // those pages of our own mapping with the same file's pages from offset 0.
+        let p = unsafe {
+            libc::mmap(
+                (at + offset) as *mut libc::c_void,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io_err("mmap (2 MiB aligned)", path)(
+                io::Error::last_os_error(),
+            ));
+        }
+    }
+    for (start, n) in [(at, offset), (at + offset + len, huge - offset)] {
+        if n > 0 {
+            // SAFETY: the range is slack of our own mapping, never handed out; PROT_NONE
+            // only makes a stray access fault.
+            unsafe { libc::mprotect(start as *mut libc::c_void, n, libc::PROT_NONE) };
+        }
+    }
+    Ok((raw, offset))
 }
 
 /// `statfs` magic of tmpfs (also of memfds and the kernel's internal shared-memory mount).
@@ -298,7 +370,8 @@ fn thp_size() -> u64 {
 
 impl Mapping {
     fn finish(
-        map: MmapRaw,
+        (map, offset): (MmapRaw, usize),
+        len: u64,
         file: File,
         path: Option<PathBuf>,
         huge: HugePages,
@@ -307,10 +380,18 @@ impl Mapping {
         if huge == HugePages::Try {
             // SAFETY: the range is exactly our live mapping; MADV_HUGEPAGE is advisory and
             // does not change its contents.
-            unsafe { libc::madvise(map.as_mut_ptr().cast(), map.len(), libc::MADV_HUGEPAGE) };
+            unsafe {
+                libc::madvise(
+                    map.as_mut_ptr().add(offset).cast(),
+                    len as usize,
+                    libc::MADV_HUGEPAGE,
+                )
+            };
         }
         let m = Mapping {
             map,
+            offset,
+            len: len as usize,
             file,
             path,
             huge: OnceLock::new(),
@@ -331,7 +412,7 @@ impl Mapping {
         let page = PAGE as usize;
         let start = offset / page * page;
         let end = offset.saturating_add(len).div_ceil(page) * page;
-        let end = end.min(self.map.len());
+        let end = end.min(self.len);
         if start >= end {
             return;
         }
@@ -342,7 +423,37 @@ impl Mapping {
         };
         // SAFETY: `[start, end)` lies inside our live mapping (clamped above) and starts on
         // a page boundary; POPULATE_* only fills page tables, never changes contents.
-        unsafe { libc::madvise(self.map.as_mut_ptr().add(start).cast(), end - start, advice) };
+        unsafe { libc::madvise(self.base().add(start).cast(), end - start, advice) };
+    }
+
+    /// Asks the kernel to rebuild the file's pages in `[offset, offset + len)` (whole,
+    /// 2 MiB aligned huge pages of the file) as 2 MiB pages (`MADV_COLLAPSE`, Linux 6.1 and
+    /// later): it allocates a huge page, copies the small pages in (zeroes the ones never
+    /// touched), and swaps it into the file, for every process. Contents never change;
+    /// a process touching the range meanwhile waits in its page fault. It needs no
+    /// privilege, and the kernel allows it on tmpfs unless `shmem_enabled` is `deny`.
+    /// `EINVAL` means the kernel cannot (too old, denied, not aligned); `EAGAIN` or
+    /// `ENOMEM` that it could not this time (no free 2 MiB block, a page pinned).
+    pub(crate) fn collapse(&self, offset: usize, len: usize) -> std::result::Result<(), io::Error> {
+        const MADV_COLLAPSE: libc::c_int = 25;
+        if offset.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        // SAFETY: the range lies inside our live mapping (checked above); MADV_COLLAPSE
+        // changes how the file's pages are held, never their contents.
+        let rc = unsafe { libc::madvise(self.base().add(offset).cast(), len, MADV_COLLAPSE) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
+    /// Whether [`Mapping::collapse`] can give this store 2 MiB pages: a tmpfs file (named
+    /// or memfd) not already on huge pages of its own, mapped on a 2 MiB boundary.
+    pub(crate) fn can_collapse(&self) -> bool {
+        let tmpfs = rustix::fs::fstatfs(&self.file).is_ok_and(|st| st.f_type == TMPFS_MAGIC);
+        tmpfs && (self.base() as usize) % HUGE_PAGE as usize == 0 && !self.huge_pages()
     }
 
     /// Populates this process's page tables for the whole region, so first writes run at
@@ -352,22 +463,10 @@ impl Mapping {
         // SAFETY: range is our live mapping. POPULATE_WRITE faults pages in as if written
         // but leaves their contents alone; on kernels without it this fails with EINVAL and
         // we fall back to WILLNEED, which is purely advisory.
-        let rc = unsafe {
-            libc::madvise(
-                self.map.as_mut_ptr().cast(),
-                self.map.len(),
-                MADV_POPULATE_WRITE,
-            )
-        };
+        let rc = unsafe { libc::madvise(self.base().cast(), self.len, MADV_POPULATE_WRITE) };
         if rc != 0 {
             // SAFETY: as above; advisory only.
-            unsafe {
-                libc::madvise(
-                    self.map.as_mut_ptr().cast(),
-                    self.map.len(),
-                    libc::MADV_WILLNEED,
-                )
-            };
+            unsafe { libc::madvise(self.base().cast(), self.len, libc::MADV_WILLNEED) };
         }
     }
 
@@ -429,7 +528,7 @@ impl Mapping {
         let len = whole_pages(sb.total_size, page);
         reserve(&file, len, &path, progress).map_err(cleanup)?;
         let map = map(&file, len, &tmp).map_err(cleanup)?;
-        let m = Mapping::finish(map, file, Some(path.clone()), huge, prefault);
+        let m = Mapping::finish(map, len, file, Some(path.clone()), huge, prefault);
         m.write_superblock(sb);
         // Until the creator holds its slot's lock, this one tells `remove_if_unused` (which
         // looks for any lock) that the new name is in use.
@@ -491,7 +590,7 @@ impl Mapping {
         rustix::fs::fcntl_add_seals(&file, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
             .map_err(|e| io_err("fcntl(F_ADD_SEALS)", label)(e.into()))?;
         let map = map(&file, len, label)?;
-        let m = Mapping::finish(map, file, None, huge, prefault);
+        let m = Mapping::finish(map, len, file, None, huge, prefault);
         m.write_superblock(sb);
         Ok(m)
     }
@@ -530,8 +629,9 @@ impl Mapping {
         let sb = Superblock::validate(&head, len, &shown)?;
         // Whole pages where the file system has huge ones (the file was reserved so).
         let page = fs_of(&file).map_or(PAGE, |(_, page)| page);
-        let map = map(&file, whole_pages(sb.total_size, page).min(len), &shown)?;
-        let m = Mapping::finish(map, file, path, huge, prefault);
+        let mapped_len = whole_pages(sb.total_size, page).min(len);
+        let map = map(&file, mapped_len, &shown)?;
+        let m = Mapping::finish(map, mapped_len, file, path, huge, prefault);
         // The file could have been rewritten between our pread and the mmap; check again
         // through the mapping (its length is already pinned by `total_size <= len`).
         let mapped = Superblock::validate(m.bytes_prefix(), sb.total_size, &shown)?;
@@ -549,24 +649,20 @@ impl Mapping {
         // and not yet visible to any other process (named: not yet linked; memfd: fd not
         // yet shared), so no one else reads or writes these bytes.
         unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.map.as_mut_ptr(), bytes.len());
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.base(), bytes.len());
         }
     }
 
     fn bytes_prefix(&self) -> &[u8] {
         // SAFETY: the superblock is immutable after creation, the mapping is at least 256
         // bytes long, and lives as long as `self`.
-        unsafe { std::slice::from_raw_parts(self.map.as_ptr(), 256) }
+        unsafe { std::slice::from_raw_parts(self.base().cast_const(), 256) }
     }
 
     /// Makes `[offset, offset + len)` of the mapping read-only in this process: the
     /// kernel then faults any write there (read-only attach mode).
     pub(crate) fn protect_read_only(&self, offset: u64, len: u64) -> Result<()> {
-        if offset % PAGE != 0
-            || offset
-                .checked_add(len)
-                .is_none_or(|e| e > self.map.len() as u64)
-        {
+        if offset % PAGE != 0 || offset.checked_add(len).is_none_or(|e| e > self.len as u64) {
             return Err(Error::Corrupted {
                 what: format!("read-only range {offset}+{len} is not inside the mapping"),
             });
@@ -575,7 +671,7 @@ impl Mapping {
         // page boundary; PROT_READ only removes write access from this process.
         let rc = unsafe {
             libc::mprotect(
-                self.map.as_mut_ptr().add(offset as usize).cast(),
+                self.base().add(offset as usize).cast(),
                 len as usize,
                 libc::PROT_READ,
             )
@@ -592,12 +688,13 @@ impl Mapping {
 
     /// Start of the mapping.
     pub(crate) fn base(&self) -> *mut u8 {
-        self.map.as_mut_ptr()
+        // SAFETY: `offset` < 2 MiB, and `map` is `offset + len` bytes or longer (see `map`).
+        unsafe { self.map.as_mut_ptr().add(self.offset) }
     }
 
     /// Mapped length.
     pub(crate) fn len(&self) -> usize {
-        self.map.len()
+        self.len
     }
 
     /// The backing file's path (None for anonymous stores).

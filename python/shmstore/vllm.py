@@ -418,9 +418,12 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
                 _page_kind(st))
             if st["page_size"] <= 4096:
                 logger.info(
-                    "shmstore: for 2 MiB pages (no page faults on a worker's first read, "
-                    "page tables 512x smaller), mount a tmpfs with huge=within_size and "
-                    "set SHMSTORE_VLLM_DIR to it (docs/vllm.md, \"Huge pages\")")
+                    "shmstore: this process rebuilds the store's pages as 2 MiB pages in "
+                    "the background where the kernel allows it (Linux 6.1 and later): "
+                    "workers then map 512x fewer page-table entries. `shmstore stat %s` "
+                    "shows how far it got; on older kernels mount a tmpfs with "
+                    "huge=within_size and set SHMSTORE_VLLM_DIR to it (docs/vllm.md, "
+                    "\"Huge pages\")", name)
             if not read_only:
                 return s
             ro = _native.Store.open(name, read_only=True, populate_in_background=True)

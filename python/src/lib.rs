@@ -821,6 +821,7 @@ impl PyStore {
         d.set_item("max_clients", st.max_clients)?;
         d.set_item("page_size", st.page_size)?;
         d.set_item("huge_pages", st.huge_pages)?;
+        d.set_item("huge_page_bytes", st.huge_page_bytes)?;
         d.set_item("sweep_pending", st.sweep_pending)?;
         d.set_item("leaked_blocks_freed", st.leaked_blocks_freed)?;
         d.set_item("creates", st.creates)?;

@@ -153,6 +153,13 @@ pub(super) struct Inner {
     /// now. The background populate thread waits while there are any, so that a large
     /// put does not share memory bandwidth (and the kernel's page zeroing) with it.
     pub(super) large_writes: AtomicU64,
+    /// Process-local, the creator's only: non-zero while it rebuilds the heap as 2 MiB
+    /// pages (`HugePages::Auto`, see [`Inner::collapse_chunk`]): 1 plus the chunks the
+    /// kernel failed in a row; 0 otherwise, or once the kernel said it cannot.
+    collapse: AtomicU64,
+    /// Process-local: the first heap chunk not yet offered to the kernel to rebuild (the
+    /// background thread goes bottom up; `prefault` finishes from here).
+    collapse_from: AtomicU64,
     /// The background populate thread: its stop flag, handle and fork generation.
     #[allow(clippy::type_complexity)]
     populator: std::sync::Mutex<Option<(Arc<AtomicU64>, std::thread::JoinHandle<()>, u64)>>,
@@ -304,6 +311,8 @@ impl Inner {
                 .map(|_| AtomicU64::new(if opts.prefault { u64::MAX } else { 0 }))
                 .collect(),
             large_writes: AtomicU64::new(0),
+            collapse: AtomicU64::new(0),
+            collapse_from: AtomicU64::new(0),
             populator: std::sync::Mutex::new(None),
             // SAFETY: heap_offset + heap_size <= total (checked above).
             heap: unsafe { base.add(sb.heap_offset as usize) },
@@ -552,6 +561,24 @@ impl Inner {
                 let mut off = 0;
                 'chunks: while off < heap {
                     let end = (off + POPULATE_CHUNK).min(heap);
+                    // Rebuilding a chunk as one 2 MiB page also populates it (and zeroes
+                    // it, the first time): nothing more to do for it then.
+                    if inner.collapse.load(Ordering::Relaxed) != 0 {
+                        while inner.large_writes.load(Ordering::Relaxed) != 0 {
+                            if flag.load(Ordering::Relaxed) != 0 {
+                                break 'chunks;
+                            }
+                            std::thread::sleep(std::time::Duration::from_millis(1));
+                        }
+                        if flag.load(Ordering::Relaxed) != 0 {
+                            break 'chunks;
+                        }
+                        if inner.collapse_chunk(off / POPULATE_CHUNK) {
+                            inner.claim_chunk(off / POPULATE_CHUNK);
+                            off = end;
+                            continue;
+                        }
+                    }
                     if !inner.claim_chunk(off / POPULATE_CHUNK) {
                         off = end; // populated already (the head, or by a put here)
                         continue;
@@ -614,7 +641,68 @@ impl Inner {
     /// read-only attach (whose heap pages are read-only; writing there would fail).
     pub(super) fn populate_everything(&self) {
         self.map.populate(0, self.sb.heap_offset as usize, true);
+        self.collapse_rest();
         self.populate_chunks(self.heap, self.sb.heap_size, true);
+    }
+
+    /// Makes this process (the creator) rebuild the heap as 2 MiB pages as it populates
+    /// it, where the kernel can (`HugePages::Auto`; docs/design.md, "Huge pages").
+    pub(super) fn rebuild_as_huge_pages(&self) {
+        if !self.read_only && self.map.can_collapse() {
+            self.collapse.store(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Offers every heap chunk not offered yet to the kernel to rebuild, now.
+    pub(super) fn collapse_rest(&self) {
+        let chunks = self.sb.heap_size.div_ceil(POPULATE_CHUNK);
+        while self.collapse.load(Ordering::Relaxed) != 0 {
+            let c = self.collapse_from.load(Ordering::Relaxed);
+            if c >= chunks {
+                break;
+            }
+            if self.collapse_chunk(c) {
+                self.claim_chunk(c);
+            }
+        }
+    }
+
+    /// Asks the kernel to rebuild heap chunk `c` (2 MiB, on a 2 MiB boundary of the file
+    /// and of every process's mapping) as one 2 MiB page: true if it did. From then on
+    /// each process maps the chunk with one page-table entry, at its first touch, instead
+    /// of 512 (docs/design.md, "Huge pages"). Called by one thread at a time, for chunks
+    /// in order (the background thread, or `prefault` after stopping it). A kernel that
+    /// cannot (`EINVAL`), or that failed this many chunks in a row, is asked no more:
+    /// the rest stays on 4 KiB pages, which work the same.
+    pub(super) fn collapse_chunk(&self, c: u64) -> bool {
+        const GIVE_UP_AFTER: u64 = 8;
+        self.collapse_from.store(c + 1, Ordering::Relaxed);
+        let off = c * POPULATE_CHUNK;
+        if self.collapse.load(Ordering::Relaxed) == 0 || off + POPULATE_CHUNK > self.sb.heap_size {
+            return false;
+        }
+        match self.map.collapse(
+            (self.sb.heap_offset + off) as usize,
+            POPULATE_CHUNK as usize,
+        ) {
+            Ok(()) => {
+                self.globals
+                    .huge_bytes
+                    .fetch_add(POPULATE_CHUNK, Ordering::Relaxed);
+                self.collapse.store(1, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                // `collapse` counts failures in a row above 1: 1 + failures.
+                let failed = self.collapse.load(Ordering::Relaxed);
+                if e.raw_os_error() == Some(libc::EINVAL) || failed >= GIVE_UP_AFTER {
+                    self.collapse.store(0, Ordering::Relaxed);
+                } else {
+                    self.collapse.store(failed + 1, Ordering::Relaxed);
+                }
+                false
+            }
+        }
     }
 
     /// Whether a background population thread is registered for this store (tests).

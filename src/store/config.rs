@@ -79,7 +79,7 @@ impl Default for StoreConfig {
             prefault: false,
             progress: true,
             populate_in_background: true,
-            huge_pages: HugePages::Off,
+            huge_pages: HugePages::Auto,
             get_spin: DEFAULT_GET_SPIN,
             when_full: WhenFull::Fail,
             remove_when_unused: false,
@@ -204,7 +204,7 @@ impl Default for AttachOptions {
         AttachOptions {
             prefault: false,
             populate_in_background: false,
-            huge_pages: HugePages::Off,
+            huge_pages: HugePages::Auto,
             get_spin: DEFAULT_GET_SPIN,
             read_only: false,
             recover_on_attach: true,
@@ -258,15 +258,22 @@ pub struct Stats {
     pub evictions: u64,
     /// Object table slots.
     pub table_slots: u64,
-    /// Whether the kernel gives the store transparent huge pages: it lives in a tmpfs
-    /// mounted with `huge=within_size` or `huge=always`, or is an anonymous store under
-    /// that `shmem_enabled` policy. Pages come as 2 MiB where the kernel finds them free
-    /// and as 4 KiB otherwise.
+    /// Whether the store is on transparent huge pages: it lives in a tmpfs mounted with
+    /// `huge=within_size` or `huge=always`, or is an anonymous store under that
+    /// `shmem_enabled` policy (pages come as 2 MiB where the kernel finds them free and
+    /// as 4 KiB otherwise), or its creator rebuilt some of its heap as 2 MiB pages
+    /// ([`HugePages::Auto`], then [`huge_page_bytes`](Self::huge_page_bytes) says how much).
     pub huge_pages: bool,
-    /// The page size backing the store: 4096 on a default tmpfs such as /dev/shm, the
-    /// huge page size on hugetlbfs or for a huge-page memfd, and the transparent huge
-    /// page size (2 MiB) when [`huge_pages`](Self::huge_pages) is set.
+    /// The page size backing the store: the huge page size on hugetlbfs or for a
+    /// huge-page memfd; the transparent huge page size (2 MiB) on a tmpfs that gives
+    /// them, or once the creator has rebuilt the whole heap as 2 MiB pages; else 4096.
     pub page_size: u64,
+    /// Heap bytes the creator rebuilt as 2 MiB pages ([`HugePages::Auto`]): it grows from
+    /// 0 while the creator's background population runs (about 0.1-0.5 s per GiB), and
+    /// stays 0 where the kernel cannot (before Linux 6.1, `shmem_enabled` `deny`), for a
+    /// store created with [`HugePages::Off`], and on file systems with huge pages of
+    /// their own.
+    pub huge_page_bytes: u64,
     /// Client slots (processes that may be attached at once).
     pub max_clients: u64,
     /// Objects created since the store was created.

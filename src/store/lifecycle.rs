@@ -8,6 +8,7 @@
 //! no live process has locked.
 
 use super::*;
+use crate::HugePages;
 
 impl Store {
     /// Creates a named store `dir/name` (default dir `/dev/shm`) and attaches to it.
@@ -56,7 +57,12 @@ impl Store {
     /// The creator attaches, and starts populating the heap in the background.
     fn attach_created(map: Mapping, sb: Superblock, cfg: &StoreConfig) -> Result<Store> {
         let store = Self::attach(map, sb, &cfg.attach_options())?;
-        if cfg.populate_in_background && !cfg.prefault {
+        if cfg.huge_pages != HugePages::Off && cfg.huge_pages != HugePages::Hugetlb {
+            store.inner.rebuild_as_huge_pages();
+        }
+        if cfg.prefault {
+            store.inner.collapse_rest();
+        } else if cfg.populate_in_background {
             store.inner.populate_in_background(true);
         }
         Ok(store)
@@ -287,6 +293,12 @@ mod tests {
 
     /// Resident KiB of the mapping (VMA) of this process that holds `addr`.
     fn resident_kib_at(addr: usize) -> u64 {
+        smaps_kib_at(addr, "Rss:")
+    }
+
+    /// A KiB field of /proc/self/smaps (`Rss:`, `ShmemPmdMapped:`) for the mapping (VMA)
+    /// of this process that holds `addr`.
+    fn smaps_kib_at(addr: usize, field: &str) -> u64 {
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
         let mut inside = false;
         for line in smaps.lines() {
@@ -298,7 +310,7 @@ mod tests {
                     continue;
                 }
             }
-            if let Some(v) = line.strip_prefix("Rss:").filter(|_| inside) {
+            if let Some(v) = line.strip_prefix(field).filter(|_| inside) {
                 return v.trim().trim_end_matches("kB").trim().parse().unwrap();
             }
         }
@@ -331,6 +343,102 @@ mod tests {
         assert!(
             mapped >= heap_kib * 9 / 10,
             "{mapped} of {heap_kib} KiB of the heap mapped"
+        );
+    }
+
+    /// Whether this kernel lets an unprivileged process rebuild tmpfs pages as 2 MiB pages
+    /// (`MADV_COLLAPSE` on shmem: Linux 6.1 and later, unless `shmem_enabled` is `deny`).
+    fn kernel_rebuilds_shmem_pages() -> std::result::Result<(), String> {
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        let release = release.trim();
+        let mut v = release
+            .split(|c: char| !c.is_ascii_digit())
+            .map(|n| n.parse::<u32>().unwrap_or(0));
+        let (major, minor) = (v.next().unwrap_or(0), v.next().unwrap_or(0));
+        if (major, minor) < (6, 1) {
+            return Err(format!(
+                "kernel {release} is older than 6.1 (no MADV_COLLAPSE)"
+            ));
+        }
+        let policy = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+            .unwrap_or_default();
+        if policy.contains("[deny]") {
+            return Err("shmem_enabled is deny".into());
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_creator_rebuilds_the_heap_as_2_mib_pages_and_a_new_attach_maps_them_so() {
+        let name = format!("rebuild-huge-{}", std::process::id());
+        let cfg = StoreConfig {
+            prefault: false,
+            populate_in_background: true,
+            ..StoreConfig::with_capacity(64 << 20)
+        };
+        let creator = Store::create(&name, &cfg).unwrap();
+        let (heap, _) = creator.heap_region();
+        assert_eq!(
+            heap as usize % (2 << 20),
+            0,
+            "the heap starts on a 2 MiB boundary"
+        );
+        // Objects written while the background thread rebuilds pages keep their bytes.
+        let pattern: Vec<u8> = (0..(12u32 << 20)).map(|i| (i % 251) as u8).collect();
+        let ids: Vec<ObjectId> = (0..3u8)
+            .map(|k| {
+                let id = ObjectId::of_key([k]);
+                creator.put(&id, &pattern).unwrap();
+                id
+            })
+            .collect();
+        creator.prefault(); // finishes the rebuild in this thread
+        let st = creator.stats();
+        let reader = Store::open_path(creator.path().unwrap()).unwrap();
+        let (rheap, _) = reader.heap_region();
+        assert_eq!(
+            rheap as usize % (2 << 20),
+            0,
+            "every attach maps on a 2 MiB boundary"
+        );
+        for id in &ids {
+            let v = reader.get(id, Duration::ZERO).unwrap();
+            assert!(v[..] == pattern[..], "bytes survive the rebuild");
+        }
+        let pmd_kib = smaps_kib_at(rheap as usize, "ShmemPmdMapped:");
+        creator.unlink().unwrap();
+        if let Err(why) = kernel_rebuilds_shmem_pages() {
+            eprintln!("skipped the 2 MiB checks: {why}");
+            assert_eq!(st.huge_page_bytes, 0);
+            return;
+        }
+        assert_eq!(
+            st.huge_page_bytes,
+            64 << 20,
+            "the whole heap is on 2 MiB pages"
+        );
+        assert!(st.huge_pages);
+        assert_eq!(st.page_size, 2 << 20);
+        assert!(
+            pmd_kib >= 36 << 10,
+            "reading 36 MiB mapped {pmd_kib} KiB with 2 MiB entries"
+        );
+    }
+
+    #[test]
+    fn huge_pages_off_keeps_4_kib_pages() {
+        let cfg = StoreConfig {
+            huge_pages: HugePages::Off,
+            prefault: false,
+            populate_in_background: true,
+            ..StoreConfig::with_capacity(16 << 20)
+        };
+        let s = Store::create_anonymous(&cfg).unwrap();
+        s.prefault();
+        let st = s.stats();
+        assert_eq!(
+            (st.huge_page_bytes, st.page_size, st.huge_pages),
+            (0, 4096, false)
         );
     }
 }

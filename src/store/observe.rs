@@ -6,6 +6,8 @@
 //! the same recovery pass attaching does ([`crate::recovery`]).
 
 use super::*;
+use crate::layout::PAGE;
+use crate::region::HUGE_PAGE;
 
 impl Store {
     /// Occupancy and activity figures, added up from every client slot's counters:
@@ -22,6 +24,13 @@ impl Store {
         let [inserted, _, _, deleted, _, _, _, payload_in, hit, miss, waited, full, evicted, _] =
             census.sums;
         let capacity = inner.sb.heap_size;
+        let huge_page_bytes = inner
+            .globals
+            .huge_bytes
+            .load(Ordering::Relaxed)
+            .min(capacity);
+        let rebuilt_whole =
+            huge_page_bytes > 0 && huge_page_bytes >= capacity / HUGE_PAGE * HUGE_PAGE;
         let mut st = Stats {
             capacity,
             used: census.used.min(capacity),
@@ -32,8 +41,13 @@ impl Store {
             draining: census.draining,
             table_slots: inner.sb.table_slots,
             evictions: evicted,
-            huge_pages: inner.map.huge_pages(),
-            page_size: inner.map.page_size(),
+            huge_pages: inner.map.huge_pages() || huge_page_bytes > 0,
+            page_size: if inner.map.page_size() == PAGE && rebuilt_whole {
+                HUGE_PAGE
+            } else {
+                inner.map.page_size()
+            },
+            huge_page_bytes,
             max_clients: inner.sb.max_clients,
             creates: inserted,
             bytes_created: payload_in,

@@ -74,6 +74,7 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
             table_slots: st.table_slots,
             page_size: st.page_size,
             huge_pages: st.huge_pages,
+            huge_page_bytes: st.huge_page_bytes,
             max_clients: st.max_clients,
             creates: st.creates,
             bytes_created: st.bytes_created,
@@ -134,7 +135,13 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
         ("client slots", st.max_clients.to_string()),
         (
             "page size",
-            if st.huge_pages {
+            if st.huge_page_bytes > 0 && st.page_size <= 4096 {
+                format!(
+                    "{} ({} of the heap rebuilt as 2 MiB pages so far)",
+                    human(st.page_size),
+                    human(st.huge_page_bytes)
+                )
+            } else if st.huge_pages {
                 format!("{} (transparent huge pages)", human(st.page_size))
             } else {
                 human(st.page_size)
@@ -337,6 +344,7 @@ struct StatJson {
     table_slots: u64,
     page_size: u64,
     huge_pages: bool,
+    huge_page_bytes: u64,
     max_clients: u64,
     creates: u64,
     bytes_created: u64,
