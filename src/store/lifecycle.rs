@@ -255,7 +255,8 @@ impl Store {
     /// The background population that create and open may start
     /// ([`StoreConfig::populate_in_background`]) is stopped first, since this does its
     /// work: when `prefault` returns, no thread is left working for this store in this
-    /// process. In a read-only attach it maps the payload for reading.
+    /// process. In the creator of a [`HugePages::Auto`] store it also finishes rebuilding
+    /// the heap as 2 MiB pages. In a read-only attach it maps the payload for reading.
     ///
     /// ```
     /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig { prefault: false, ..shmstore::StoreConfig::with_capacity(1 << 20) })?;
