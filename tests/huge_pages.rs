@@ -323,8 +323,10 @@ fn a_store_in_a_thp_tmpfs_maps_2_mib_pages_in_a_fresh_process() {
 
 #[test]
 fn stats_huge_pages_agrees_with_the_page_tables_in_dev_shm() {
-    // Whatever /dev/shm's mount options are on this machine, the report must match what
-    // the kernel really maps (on a default /dev/shm: 4 KiB pages, and `false`).
+    // Whatever /dev/shm's mount options and kernel are on this machine, the report must
+    // match what the kernel really maps (on a default /dev/shm: the 2 MiB pages the
+    // creator rebuilt where the kernel lets it, Linux 6.1+, and `true`; else 4 KiB pages
+    // and `false`).
     let cfg = StoreConfig {
         huge_pages: HugePages::Try,
         ..StoreConfig::with_capacity(32 << 20)
@@ -345,4 +347,60 @@ fn stats_huge_pages_agrees_with_the_page_tables_in_dev_shm() {
         st.huge_pages
     );
     assert_eq!(st.page_size, if st.huge_pages { HUGE } else { 4096 });
+}
+
+/// Why this kernel cannot rebuild tmpfs pages as 2 MiB pages (`MADV_COLLAPSE` on shmem:
+/// Linux 6.1 and later, unless `shmem_enabled` is `deny`), or `None` if it can.
+fn cannot_rebuild_shmem_pages() -> Option<String> {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut v = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    if (v.next().unwrap_or(0), v.next().unwrap_or(0)) < (6, 1) {
+        return Some(format!("kernel {} is older than 6.1", release.trim()));
+    }
+    let policy = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .unwrap_or_default();
+    policy
+        .contains("[deny]")
+        .then(|| "shmem_enabled is deny".to_string())
+}
+
+#[test]
+fn a_default_store_in_dev_shm_gets_2_mib_pages_that_a_fresh_process_maps_so() {
+    const T: &str = "a_default_store_in_dev_shm_gets_2_mib_pages_that_a_fresh_process_maps_so";
+    let name = format!("shmstore-test-rebuilt-{}", std::process::id());
+    let store = Store::create(&name, &StoreConfig::with_capacity(64 << 20)).unwrap();
+    let path = store.path().unwrap().to_path_buf();
+    let _cleanup = Cleanup(path.clone());
+    let data = bytes(6, 16 << 20);
+    let id = ObjectId::of_content(&data);
+    store.put(&id, &data).unwrap();
+    store.prefault(); // the creator's rebuild, finished now
+    let st = store.stats();
+    let shown = path.display().to_string();
+    let mut p = spawn(CHILD_ENTRY, "thp", &[shown, id.to_string()]);
+    let reply = p.recv();
+    p.finish();
+    let f: Vec<&str> = reply.split(' ').collect();
+    assert_eq!(f[2], blake3::hash(&data).to_hex().as_str(), "{reply}");
+    if let Some(why) = cannot_rebuild_shmem_pages() {
+        eprintln!("{T}: skipped the 2 MiB checks: {why}");
+        return;
+    }
+    assert_eq!(
+        (st.huge_page_bytes, st.page_size),
+        (64 << 20, HUGE),
+        "{st:?}"
+    );
+    assert_eq!(
+        f[0], "true",
+        "the attaching process reports normal pages: {reply}"
+    );
+    let pmd: u64 = f[1].parse().unwrap();
+    assert!(
+        pmd >= 16 << 10,
+        "the fresh attach maps only {pmd} KiB of the 16 MiB it read with 2 MiB entries"
+    );
 }

@@ -172,8 +172,11 @@ class Store:
         evict: bool = False,
         remove_when_unused: bool = False,
         prefault: bool = False,
+        huge_pages: Literal["auto", "off", "try", "hugetlb"] = "auto",
     ) -> Store:
-        """Creates a named store (``/dev/shm/NAME``, or a path) of ``capacity`` bytes."""
+        """Creates a named store (``/dev/shm/NAME``, or a path) of ``capacity`` bytes.
+        ``huge_pages="auto"`` (the default) rebuilds the heap as 2 MiB pages in the
+        background where the kernel allows it; ``stats()["huge_page_bytes"]`` says how far."""
     @staticmethod
     def open(
         name: str,

@@ -27,7 +27,7 @@ use pyo3::types::{
     PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple,
 };
 use shmstore::item::{self, ArraySpec, DType, MetaValue};
-use shmstore::{AttachOptions, Creation, ObjectId, Store, StoreConfig, View, WhenFull};
+use shmstore::{AttachOptions, Creation, HugePages, ObjectId, Store, StoreConfig, View, WhenFull};
 use std::collections::HashSet;
 use std::mem::MaybeUninit;
 use std::os::raw::{c_int, c_void};
@@ -609,9 +609,15 @@ impl PyStore {
     /// Creates a named store (`/dev/shm/NAME`, or a path) of `capacity` payload bytes.
     /// `max_objects` and `max_clients` of 0 are chosen for the capacity (one object per
     /// 32 KiB, at least 4096; 32 clients below 4 GiB, 64 from 4 GiB).
+    ///
+    /// `huge_pages`: "auto" (2 MiB pages rebuilt by this process in the background where
+    /// the kernel allows it), "off" (4 KiB pages unless the file system gives huge ones),
+    /// "try" ("auto" plus MADV_HUGEPAGE), "hugetlb" (explicit huge pages; the store must
+    /// be in a hugetlbfs directory).
     #[staticmethod]
     #[pyo3(signature = (name, capacity, *, max_objects=0, max_clients=0, evict=false,
-                        remove_when_unused=false, prefault=false))]
+                        remove_when_unused=false, prefault=false, huge_pages="auto"))]
+    #[allow(clippy::too_many_arguments)]
     fn create(
         name: &str,
         capacity: u64,
@@ -620,7 +626,19 @@ impl PyStore {
         evict: bool,
         remove_when_unused: bool,
         prefault: bool,
+        huge_pages: &str,
     ) -> PyResult<Self> {
+        let huge_pages = match huge_pages {
+            "auto" => HugePages::Auto,
+            "off" => HugePages::Off,
+            "try" => HugePages::Try,
+            "hugetlb" => HugePages::Hugetlb,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "huge_pages={other:?}: use \"auto\", \"off\", \"try\" or \"hugetlb\""
+                )))
+            }
+        };
         let (dir, file) = dir_and_name(name);
         let cfg = StoreConfig {
             max_objects,
@@ -632,6 +650,7 @@ impl PyStore {
             },
             remove_when_unused,
             prefault,
+            huge_pages,
             dir,
             ..StoreConfig::with_capacity(capacity)
         };

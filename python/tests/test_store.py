@@ -1,6 +1,7 @@
 """The raw store from Python: buffers, pins, zero-copy, errors, the GIL, processes."""
 
 import gc
+import os
 import signal
 import threading
 import time
@@ -262,3 +263,37 @@ def test_the_version_comes_from_one_place():
     # module's and the Rust crate's are one number.
     assert shmstore.__version__ == importlib.metadata.version("shmstore")
     assert re.fullmatch(r"\d+\.\d+\.\d+.*", shmstore.__version__)
+
+
+def _kernel_rebuilds_shmem_pages() -> str | None:
+    """Why this kernel cannot rebuild tmpfs pages as 2 MiB pages (None if it can)."""
+    release = os.uname().release
+    nums = [int(n) for n in release.replace("-", ".").split(".")[:2] if n.isdigit()]
+    if tuple(nums) < (6, 1):
+        return f"kernel {release} is older than 6.1 (no MADV_COLLAPSE)"
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            if "[deny]" in f.read():
+                return "shmem_enabled is deny"
+    except OSError:
+        return "no transparent huge page support"
+    return None
+
+
+def test_huge_pages_are_rebuilt_by_default_and_off_keeps_4_kib(store_name):
+    s = shmstore.Store.create(store_name, 16 << 20, max_objects=1024)
+    s.put(b"k" * 32, bytes(range(256)) * 8192)  # 2 MiB, written while the rebuild runs
+    s.prefault()  # finishes the rebuild in this thread
+    st = s.stats()
+    assert bytes(s.get(b"k" * 32)) == bytes(range(256)) * 8192
+    off = shmstore.Store.create(store_name + "-off", 16 << 20, max_objects=1024, huge_pages="off")
+    off.prefault()
+    st_off = off.stats()
+    os.unlink(f"/dev/shm/{store_name}-off")
+    assert (st_off["huge_page_bytes"], st_off["page_size"], st_off["huge_pages"]) == (0, 4096, False)
+    with pytest.raises(ValueError, match="huge_pages"):
+        shmstore.Store.create(store_name + "-bad", 1 << 20, huge_pages="yes")
+    why = _kernel_rebuilds_shmem_pages()
+    if why:
+        pytest.skip(f"the default's 2 MiB pages: {why}")
+    assert (st["huge_page_bytes"], st["page_size"], st["huge_pages"]) == (16 << 20, 2 << 20, True)

@@ -160,6 +160,8 @@ pub(super) struct Inner {
     /// Process-local: how many heap chunks were offered to the kernel to rebuild, in
     /// [`Inner::rebuild_order`] (`prefault` finishes from here).
     collapse_from: AtomicU64,
+    /// The fork generation of the process that rebuilds (a forked child does not).
+    collapse_generation: AtomicU64,
     /// The background populate thread: its stop flag, handle and fork generation.
     #[allow(clippy::type_complexity)]
     populator: std::sync::Mutex<Option<(Arc<AtomicU64>, std::thread::JoinHandle<()>, u64)>>,
@@ -313,6 +315,7 @@ impl Inner {
             large_writes: AtomicU64::new(0),
             collapse: AtomicU64::new(0),
             collapse_from: AtomicU64::new(0),
+            collapse_generation: AtomicU64::new(0),
             populator: std::sync::Mutex::new(None),
             // SAFETY: heap_offset + heap_size <= total (checked above).
             heap: unsafe { base.add(sb.heap_offset as usize) },
@@ -648,6 +651,8 @@ impl Inner {
     /// it, where the kernel can (`HugePages::Auto`; docs/design.md, "Huge pages").
     pub(super) fn rebuild_as_huge_pages(&self) {
         if !self.read_only && self.map.can_collapse() {
+            self.collapse_generation
+                .store(liveness::generation(), Ordering::Relaxed);
             self.collapse.store(1, Ordering::Relaxed);
         }
     }
@@ -689,6 +694,11 @@ impl Inner {
         self.collapse_from.store(i + 1, Ordering::Relaxed);
         let off = self.rebuild_order(i) * POPULATE_CHUNK;
         if self.collapse.load(Ordering::Relaxed) == 0 || off + POPULATE_CHUNK > self.sb.heap_size {
+            return false;
+        }
+        if self.collapse_generation.load(Ordering::Relaxed) != liveness::generation() {
+            // A forked child: the rebuild, and its count in the globals, is the parent's.
+            self.collapse.store(0, Ordering::Relaxed);
             return false;
         }
         match self.map.collapse(
