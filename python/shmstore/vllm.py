@@ -61,6 +61,8 @@ import json
 import logging
 import os
 import sys
+import threading
+import time
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -683,7 +685,10 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
         else:
             self.store = open_store(vllm_config, read_only=read_only)
         self.timeout = timeout
-        self.cuda_registered = register_with_cuda(self.store)
+        #: Whether this worker registered the store's heap with CUDA (set by a background
+        #: thread once the store's pages are rebuilt; see ``register_with_cuda_later``).
+        self.cuda_registered = False
+        register_with_cuda_later(self)
         if keep_fraction is None:
             keep_fraction = float(os.environ.get("SHMSTORE_VLLM_WORKER_KEEP", "0.125"))
         #: Items kept ready for hits: mm_hash -> (item, its bytes), least recent first.
@@ -864,10 +869,43 @@ def _get_torch_item(store, mm_hash: str, timeout: float) -> tuple[dict[str, Any]
     return out, mv.nbytes
 
 
-def register_with_cuda(store) -> bool:
-    """Registers the store's heap with CUDA (``cudaHostRegister``) in this process, per
-    ``SHMSTORE_VLLM_CUDA_REGISTER`` (``auto``: when a GPU is there). Returns whether it
-    did; never raises for a machine without a GPU."""
+def wait_for_huge_pages(store, limit_s: float = 60.0, stalled_s: float = 1.0) -> bool:
+    """Waits while the store's creator rebuilds its heap as 2 MiB pages (the default on
+    Linux 6.1 and later: docs/design.md, "Huge pages"): until the whole heap is, until the
+    count stops growing for ``stalled_s`` (the kernel cannot, or the creator is gone), or
+    for ``limit_s`` at most. Returns whether the heap is on 2 MiB pages."""
+    start = last_change = time.monotonic()
+    last = -1
+    while True:
+        st = store.stats()
+        if st["page_size"] > 4096:
+            return True
+        now = time.monotonic()
+        if st["huge_page_bytes"] != last:
+            last, last_change = st["huge_page_bytes"], now
+        elif now - last_change >= stalled_s or now - start >= limit_s:
+            return False
+        time.sleep(0.02)
+
+
+def register_with_cuda_later(receiver) -> None:
+    """Registers the receiver's store with CUDA on a background thread, per
+    ``SHMSTORE_VLLM_CUDA_REGISTER``, after the store's pages are rebuilt as 2 MiB pages:
+    registration pins every page, and the kernel cannot rebuild a pinned page, so a
+    worker that registered first would leave the store on 4 KiB pages for every process.
+    Until it is done, copies to the GPU are staged (correct, slower); on a machine
+    without a GPU nothing happens."""
+    if not _cuda_wanted():
+        return
+
+    def run() -> None:
+        wait_for_huge_pages(receiver.store)
+        receiver.cuda_registered = register_with_cuda(receiver.store)
+
+    threading.Thread(target=run, name="shmstore-cuda-register", daemon=True).start()
+
+
+def _cuda_wanted() -> bool:
     mode = os.environ.get("SHMSTORE_VLLM_CUDA_REGISTER", "auto")
     if mode == "0":
         return False
@@ -876,6 +914,15 @@ def register_with_cuda(store) -> bool:
             logger.warning("shmstore: SHMSTORE_VLLM_CUDA_REGISTER=1 but no GPU is visible; skipped")
         else:
             logger.debug("shmstore: no GPU visible; store not registered with CUDA")
+        return False
+    return True
+
+
+def register_with_cuda(store) -> bool:
+    """Registers the store's heap with CUDA (``cudaHostRegister``) in this process, per
+    ``SHMSTORE_VLLM_CUDA_REGISTER`` (``auto``: when a GPU is there). Returns whether it
+    did; never raises for a machine without a GPU."""
+    if not _cuda_wanted():
         return False
     addr, length = store.heap_region
     # cudaHostRegisterPortable | cudaHostRegisterReadOnly where the mapping is read-only.

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import pytest
 from harness import make_config
@@ -229,6 +230,26 @@ def test_cuda_registration_is_skipped_cleanly_without_a_gpu(store_env, monkeypat
         assert r.cuda_registered is False
         del r
     assert any("no GPU is visible" in rec.message for rec in caplog.records)
+
+
+def test_workers_register_with_cuda_only_after_the_store_is_on_2_mib_pages(store_env):
+    # Registration pins every page, and the kernel cannot rebuild a pinned page: workers
+    # wait for the creator's rebuild (or for it to stall: kernel cannot, creator gone).
+    name = store_env["SHMSTORE_VLLM_STORE"]
+    sender = sv.ShmstoreSenderCache(make_config(cache_mb=64))  # creates the store
+    done = sv.wait_for_huge_pages(sender.store, limit_s=30)
+    st = sender.store.stats()
+    assert done == (st["page_size"] == 2 << 20), st
+    if done:
+        assert st["huge_page_bytes"] == st["capacity"] // (2 << 20) * (2 << 20)
+    off = shmstore.Store.create(name + "-off", 8 << 20, huge_pages="off")
+    try:
+        t = time.monotonic()
+        assert sv.wait_for_huge_pages(off, stalled_s=0.2) is False
+        assert time.monotonic() - t < 5, "a store that is never rebuilt is not waited for long"
+    finally:
+        os.unlink(f"/dev/shm/{name}-off")
+    sender.close()
 
 
 def test_the_store_figures_appear_in_the_registry_vllm_serves(store_env):

@@ -236,6 +236,10 @@ impl Store {
     /// registering the memory with a device driver (CUDA's `cudaHostRegister`, so that
     /// copies from views to a GPU run as direct DMA); the range stays mapped while any
     /// handle of this store lives. In a read-only attach it is mapped read-only.
+    /// Registering pins every page, and the kernel cannot rebuild a pinned page as a
+    /// 2 MiB page ([`HugePages::Auto`]): register once
+    /// [`Stats::huge_page_bytes`](crate::Stats::huge_page_bytes) stops growing (the
+    /// creator's [`Store::prefault`] finishes the rebuild at once).
     ///
     /// ```
     /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
