@@ -429,11 +429,22 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
             if not read_only:
                 return s
             ro = _native.Store.open(name, read_only=True, populate_in_background=True)
-            del s  # after the read-only attach: the store is removed when unused
+            # A worker created the store: its writable handle goes once it has finished
+            # rebuilding the pages (which only the creator does; `prefault` finishes it
+            # now), on a thread, so this worker starts at once. It goes after the
+            # read-only attach: the store is removed when unused.
+            threading.Thread(target=_finish_rebuild_and_drop, args=([s],),
+                             name="shmstore-rebuild").start()
+            del s
             return ro
         except _native.StoreExists:
             pass
     return _native.Store.open(name, read_only=read_only, populate_in_background=True)
+
+
+def _finish_rebuild_and_drop(holder: list) -> None:
+    holder[0].prefault()
+    holder.clear()
 
 
 # ----- P0: the front-end ---------------------------------------------------------------

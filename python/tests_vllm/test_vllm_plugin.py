@@ -242,6 +242,19 @@ def test_workers_register_with_cuda_only_after_the_store_is_on_2_mib_pages(store
     assert done == (st["page_size"] == 2 << 20), st
     if done:
         assert st["huge_page_bytes"] == st["capacity"] // (2 << 20) * (2 << 20)
+    # A worker that creates the store (it starts first) hands it over read-only at once,
+    # and its rebuild still finishes.
+    worker_env = dict(os.environ, SHMSTORE_VLLM_STORE=name + "-w")
+    code = (
+        "import harness, sys; harness.setup_process(); from shmstore import vllm as sv; "
+        "r = sv.ShmstoreReceiverCache(harness.make_config(cache_mb=64)); "
+        "print(sv.wait_for_huge_pages(r.store, limit_s=30), r.store.stats()['page_size'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=worker_env, text=True,
+                         capture_output=True, timeout=120,
+                         cwd=os.path.dirname(__file__))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(done), str(st["page_size"])], out.stdout
     off = shmstore.Store.create(name + "-off", 8 << 20, huge_pages="off")
     try:
         t = time.monotonic()
