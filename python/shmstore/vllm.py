@@ -26,11 +26,14 @@ Settings (environment):
 * ``SHMSTORE_VLLM_STORE``: the store's name in its directory. Default
   ``shmstore-vllm-<launcher pid>-<random>``, chosen by the first process of the instance
   and inherited by the others; set it yourself to share one store between instances.
-* ``SHMSTORE_VLLM_DIR``: the store's directory (default ``/dev/shm``). Point it at a
-  tmpfs mounted with ``huge=within_size`` for transparent huge pages, nothing reserved:
-  each worker maps a 64 MiB item with 32 page-table entries instead of 16,384, so its
-  first read runs at warm speed, and page tables per process shrink 512x
-  (docs/vllm.md, "Huge pages").
+* ``SHMSTORE_VLLM_DIR``: the store's directory (default ``/dev/shm``). On kernels before
+  6.1, point it at a tmpfs mounted with ``huge=within_size`` for transparent huge pages,
+  nothing reserved (docs/vllm.md, "Huge pages").
+* ``SHMSTORE_VLLM_HUGE_PAGES=auto|off``: ``auto`` (default) has the store's creator
+  rebuild its heap as 2 MiB pages in the background where the kernel allows it (Linux
+  6.1+): each worker maps a 64 MiB item with 32 page-table entries instead of 16,384,
+  so its first read runs at warm speed, and page tables per process shrink 128x.
+  ``off`` keeps 4 KiB pages (no rebuild work in the creating process).
 * ``SHMSTORE_VLLM_READ_ONLY=0``: workers attach read-write (default: read-only, so a
   write to a cached tensor faults instead of changing it for everyone).
 * ``SHMSTORE_VLLM_CUDA_REGISTER=auto|1|0``: register the store's heap with CUDA in each
@@ -412,6 +415,7 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
                 evict=True,
                 remove_when_unused=True,
                 prefault=False,
+                huge_pages="off" if os.environ.get("SHMSTORE_VLLM_HUGE_PAGES") == "off" else "auto",
             )
             st = s.stats()
             logger.info(
