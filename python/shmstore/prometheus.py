@@ -88,6 +88,12 @@ class StoreCollector(Collector):
             store.largest_free(),
             "bytes",
         )
+        yield gauge(
+            "shmstore_huge_page_bytes",
+            "Heap bytes the store's creator rebuilt as 2 MiB pages.",
+            st["huge_page_bytes"],
+            "bytes",
+        )
         yield gauge("shmstore_objects", "Sealed objects.", st["objects"])
         yield gauge("shmstore_objects_creating", "Objects created and not yet sealed.", st["creating"])
         yield gauge("shmstore_pins", "Views held on objects, over all processes.", st["pins"])

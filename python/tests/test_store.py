@@ -292,7 +292,7 @@ def test_huge_pages_are_rebuilt_by_default_and_off_keeps_4_kib(store_name):
     os.unlink(f"/dev/shm/{store_name}-off")
     assert (st_off["huge_page_bytes"], st_off["page_size"], st_off["huge_pages"]) == (0, 4096, False)
     with pytest.raises(ValueError, match="huge_pages"):
-        shmstore.Store.create(store_name + "-bad", 1 << 20, huge_pages="yes")
+        shmstore.Store.create(store_name + "-bad", 1 << 20, huge_pages="yes")  # type: ignore[arg-type]
     why = _kernel_rebuilds_shmem_pages()
     if why:
         pytest.skip(f"the default's 2 MiB pages: {why}")

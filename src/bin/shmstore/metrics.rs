@@ -86,6 +86,13 @@ pub fn exposition(store: &Store, name: &str) -> Result<String, String> {
         bytes.clone(),
         store.largest_free(),
     );
+    gauge(
+        &mut reg,
+        "huge_page",
+        "Heap bytes the store's creator rebuilt as 2 MiB pages",
+        bytes.clone(),
+        st.huge_page_bytes,
+    );
     gauge(&mut reg, "objects", "Sealed objects", None, st.objects);
     gauge(
         &mut reg,
