@@ -162,6 +162,8 @@ pub(super) struct Inner {
     collapse_from: AtomicU64,
     /// The fork generation of the process that rebuilds (a forked child does not).
     collapse_generation: AtomicU64,
+    /// Process-local: 1 once [`Inner::collapse_metadata`] ran.
+    metadata_collapsed: AtomicU64,
     /// The background populate thread: its stop flag, handle and fork generation.
     #[allow(clippy::type_complexity)]
     populator: std::sync::Mutex<Option<(Arc<AtomicU64>, std::thread::JoinHandle<()>, u64)>>,
@@ -187,6 +189,8 @@ const POPULATE_CHUNK: u64 = 2 << 20;
 /// What the background population does between two looks at this process's large
 /// writes (and at its stop flag).
 const POPULATE_PIECE: u64 = 256 << 10;
+/// Chunks in a row the kernel may fail to rebuild before the creator stops asking.
+const GIVE_UP_AFTER: u64 = 8;
 /// Heap bytes the creator populates before `create` returns (the rest in background):
 /// room for a 64 MiB object with its header, which spills one page past 64 MiB (without
 /// the extra chunk, a first 64 MiB put zeroed that chunk's 2 MiB itself).
@@ -316,6 +320,7 @@ impl Inner {
             collapse: AtomicU64::new(0),
             collapse_from: AtomicU64::new(0),
             collapse_generation: AtomicU64::new(0),
+            metadata_collapsed: AtomicU64::new(0),
             populator: std::sync::Mutex::new(None),
             // SAFETY: heap_offset + heap_size <= total (checked above).
             heap: unsafe { base.add(sb.heap_offset as usize) },
@@ -612,6 +617,9 @@ impl Inner {
                         at += piece;
                     }
                 }
+                // The metadata last: its first 2 MiB are touched by every operation, which
+                // waits while the kernel copies a chunk it touches.
+                inner.collapse_metadata(|| flag.load(Ordering::Relaxed) != 0);
             });
         if let Ok(handle) = spawned {
             let mut slot = self.populator.lock().unwrap_or_else(|e| e.into_inner());
@@ -669,6 +677,7 @@ impl Inner {
                 self.claim_chunk(self.rebuild_order(i));
             }
         }
+        self.collapse_metadata(|| false);
     }
 
     /// The `i`-th heap chunk the rebuild visits: the chunks above the head first, bottom
@@ -690,15 +699,9 @@ impl Inner {
     /// cannot (`EINVAL`), or that failed this many chunks in a row, is asked no more:
     /// the rest stays on 4 KiB pages, which work the same.
     pub(super) fn collapse_chunk(&self, i: u64) -> bool {
-        const GIVE_UP_AFTER: u64 = 8;
         self.collapse_from.store(i + 1, Ordering::Relaxed);
         let off = self.rebuild_order(i) * POPULATE_CHUNK;
-        if self.collapse.load(Ordering::Relaxed) == 0 || off + POPULATE_CHUNK > self.sb.heap_size {
-            return false;
-        }
-        if self.collapse_generation.load(Ordering::Relaxed) != liveness::generation() {
-            // A forked child: the rebuild, and its count in the globals, is the parent's.
-            self.collapse.store(0, Ordering::Relaxed);
+        if off + POPULATE_CHUNK > self.sb.heap_size || !self.may_collapse() {
             return false;
         }
         match self.map.collapse(
@@ -713,15 +716,52 @@ impl Inner {
                 true
             }
             Err(e) => {
-                // `collapse` counts failures in a row above 1: 1 + failures.
-                let failed = self.collapse.load(Ordering::Relaxed);
-                if e.raw_os_error() == Some(libc::EINVAL) || failed >= GIVE_UP_AFTER {
-                    self.collapse.store(0, Ordering::Relaxed);
-                } else {
-                    self.collapse.store(failed + 1, Ordering::Relaxed);
-                }
+                self.collapse_failed(&e);
                 false
             }
+        }
+    }
+
+    /// Whether this process still rebuilds pages (see [`Inner::collapse_chunk`]).
+    fn may_collapse(&self) -> bool {
+        if self.collapse.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        if self.collapse_generation.load(Ordering::Relaxed) != liveness::generation() {
+            // A forked child: the rebuild, and its count in the globals, is the parent's.
+            self.collapse.store(0, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Counts a chunk the kernel did not rebuild; gives up on `EINVAL` (it cannot) or
+    /// after [`GIVE_UP_AFTER`] failures in a row.
+    fn collapse_failed(&self, e: &std::io::Error) {
+        // `collapse` counts failures in a row above 1: 1 + failures.
+        let failed = self.collapse.load(Ordering::Relaxed);
+        if e.raw_os_error() == Some(libc::EINVAL) || failed >= GIVE_UP_AFTER {
+            self.collapse.store(0, Ordering::Relaxed);
+        } else {
+            self.collapse.store(failed + 1, Ordering::Relaxed);
+        }
+    }
+
+    /// Asks the kernel to rebuild the metadata below the heap (the object table, its pin
+    /// rows, the allocator's bitmaps: every operation reads a few random lines of them)
+    /// as 2 MiB pages, once per creator. Not counted in `Stats::huge_page_bytes`, which
+    /// is about the heap.
+    pub(super) fn collapse_metadata(&self, stop: impl Fn() -> bool) {
+        if !self.may_collapse() || self.metadata_collapsed.swap(1, Ordering::Relaxed) != 0 {
+            return;
+        }
+        let end = self.sb.heap_offset / POPULATE_CHUNK * POPULATE_CHUNK;
+        let mut off = 0;
+        while off < end && self.may_collapse() && !stop() {
+            if let Err(e) = self.map.collapse(off as usize, POPULATE_CHUNK as usize) {
+                self.collapse_failed(&e);
+            }
+            off += POPULATE_CHUNK;
         }
     }
 

@@ -431,6 +431,48 @@ mod tests {
     }
 
     #[test]
+    fn the_creator_rebuilds_the_object_table_as_2_mib_pages_too() {
+        let cfg = StoreConfig {
+            max_objects: 200_000,
+            prefault: false,
+            populate_in_background: true,
+            ..StoreConfig::with_capacity(16 << 20)
+        };
+        let name = format!("rebuild-meta-{}", std::process::id());
+        let creator = Store::create(&name, &cfg).unwrap();
+        let ids: Vec<ObjectId> = (0..50_000u32)
+            .map(|k| ObjectId::of_key(k.to_le_bytes()))
+            .collect();
+        for id in &ids {
+            creator.put(id, b"small").unwrap();
+        }
+        creator.prefault(); // finishes the rebuild, metadata included
+        let reader = Store::open_path(creator.path().unwrap()).unwrap();
+        let meta = reader.inner.sb.heap_offset as usize;
+        assert!(
+            meta >= 32 << 20,
+            "{meta} bytes of metadata: the test needs more"
+        );
+        // Gets read random lines all over the table (buckets, slots, pin rows) and only
+        // the heap's first chunk (the objects share a few slabs).
+        for id in &ids {
+            assert_eq!(&reader.get(id, Duration::ZERO).unwrap()[..], b"small");
+        }
+        let pmd_kib = smaps_kib_at(reader.inner.map.base() as usize, "ShmemPmdMapped:");
+        creator.unlink().unwrap();
+        if let Err(why) = kernel_rebuilds_shmem_pages() {
+            eprintln!("skipped the 2 MiB checks: {why}");
+            return;
+        }
+        assert!(
+            pmd_kib >= 24 << 10,
+            "gets mapped only {pmd_kib} KiB of the store ({} KiB of it metadata) with 2 MiB \
+             entries",
+            meta >> 10
+        );
+    }
+
+    #[test]
     fn huge_pages_off_keeps_4_kib_pages() {
         let cfg = StoreConfig {
             huge_pages: HugePages::Off,
