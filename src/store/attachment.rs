@@ -574,6 +574,8 @@ impl Inner {
                     // Rebuilding a chunk as one 2 MiB page also populates it (and zeroes
                     // it, the first time): nothing more to do for it then.
                     if inner.collapse.load(Ordering::Relaxed) != 0 {
+                        // Not while this process writes a large object (a poll, as
+                        // below, and for the same reason).
                         while inner.large_writes.load(Ordering::Relaxed) != 0 {
                             if flag.load(Ordering::Relaxed) != 0 {
                                 return;
@@ -617,8 +619,8 @@ impl Inner {
                         at += piece;
                     }
                 }
-                // The metadata last: its first 2 MiB are touched by every operation, which
-                // waits while the kernel copies a chunk it touches.
+                // The metadata after the heap: every operation reads some of it, and
+                // waits while the kernel copies a chunk it reads.
                 inner.collapse_metadata(|| flag.load(Ordering::Relaxed) != 0);
             });
         if let Ok(handle) = spawned {
@@ -695,9 +697,9 @@ impl Inner {
     /// true if it did. From then on each process maps the chunk with one page-table entry,
     /// at its first touch, instead of 512 (docs/design.md, "Huge pages"). Called by one
     /// thread at a time, for `i` in order (the background thread, or `prefault` after
-    /// stopping it). A kernel that
-    /// cannot (`EINVAL`), or that failed this many chunks in a row, is asked no more:
-    /// the rest stays on 4 KiB pages, which work the same.
+    /// stopping it). A kernel that cannot (`EINVAL`), or that failed [`GIVE_UP_AFTER`]
+    /// chunks in a row, is asked no more: the rest stays on 4 KiB pages, which work the
+    /// same.
     pub(super) fn collapse_chunk(&self, i: u64) -> bool {
         self.collapse_from.store(i + 1, Ordering::Relaxed);
         let off = self.rebuild_order(i) * POPULATE_CHUNK;
