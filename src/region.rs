@@ -11,6 +11,10 @@
 //! * `open` reads and validates the superblock with `pread` *before* mapping, and maps only
 //!   a file at least as long as the validated layout, so a foreign, truncated, wrong-version
 //!   or corrupted file is a typed error, never UB or a SIGBUS;
+//! * every mapping places file offset 0 on a 2 MiB boundary of the address space
+//!   (hugetlbfs: on its own page size, which the kernel enforces), so 2 MiB pages of the
+//!   file can be mapped whole ([`HugePages::Auto`]); the 2 MiB of address space around it
+//!   is reserved and inaccessible;
 //! * memfd stores are sealed against shrinking and growing (`F_SEAL_SHRINK | F_SEAL_GROW`).
 //!   A named file can still be truncated by a process with write access to it; see
 //!   docs/security.md.

@@ -13,6 +13,12 @@
 //! [`Actor`] is "this process, acting through its binding": it builds the table view that
 //! pins in its own column, brackets ownership-changing steps in its own slot, and runs
 //! recovery as its own client.
+//!
+//! It also owns this process's population of the mapping: which 2 MiB chunks of the heap
+//! it has populated (a process-local bitmap), the background thread that populates the
+//! rest, and, in the creator of a `HugePages::Auto` store, the rebuild of heap and
+//! metadata as 2 MiB pages (`MADV_COLLAPSE`), which changes how the kernel holds the
+//! pages and never their contents (docs/design.md, "Huge pages").
 
 use crate::alloc::{Allocator, Block, Padded, SlabDesc};
 use crate::capacity::{self, Globals};
