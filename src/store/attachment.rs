@@ -545,9 +545,11 @@ impl Inner {
         self.populated[(c / 64) as usize].fetch_or(bit, Ordering::Relaxed) & bit == 0
     }
 
-    /// Populates the whole heap, bottom up, chunk by chunk, on a background thread: for
-    /// writing in the creator (the kernel zeroes each tmpfs page at its first touch, so
-    /// this is where that happens, once), for reading in others (mapping only). The thread
+    /// Populates the whole heap, chunk by chunk, on a background thread: in the creator
+    /// for writing (the kernel zeroes each tmpfs page at its first touch, so this is where
+    /// that happens, once), in [`Inner::rebuild_order`], rebuilding chunks as 2 MiB pages
+    /// where asked to ([`Inner::collapse_chunk`]) and then the metadata; in others for
+    /// reading (mapping only), bottom up. The thread
     /// holds no reference that keeps the store alive: dropping the store stops it (and
     /// waits for its current chunk, a few milliseconds).
     pub(super) fn populate_in_background(self: &Arc<Self>, write: bool) {

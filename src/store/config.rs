@@ -41,9 +41,12 @@ pub struct StoreConfig {
     /// than a second (large stores).
     pub progress: bool,
     /// After creating the store, a background thread of the creating process touches
-    /// every page of the heap once, bottom up (where the allocator places objects first):
-    /// the kernel zeroes a tmpfs page at its first touch, not at reservation, and this way
-    /// puts do not pay for it. The thread stops when the store is dropped.
+    /// every page of the heap once (the kernel zeroes a tmpfs page at its first touch, not
+    /// at reservation, and this way puts do not pay for it): with [`HugePages::Auto`] it
+    /// rebuilds each 2 MiB chunk as one 2 MiB page, then the metadata; chunks the kernel
+    /// does not rebuild it populates in 4 KiB pages. The first 66 MiB of the heap, where
+    /// the first objects go, are populated before `create` returns and rebuilt last. The
+    /// thread stops when the store is dropped.
     pub populate_in_background: bool,
     /// Transparent huge pages.
     pub huge_pages: HugePages,
