@@ -249,8 +249,11 @@ def put_item_buffers(
     arrays: list[tuple[str, str, list[int] | tuple[int, ...], Buffer]],
     meta: dict[str, _MetaValue],
     timeout: float | None = None,
-) -> None:
-    """Writes a whole tensor item in one call (one copy per array, without the GIL)."""
+    pin: bool = False,
+) -> memoryview | None:
+    """Writes a whole tensor item in one call (one copy per array, without the GIL).
+    With ``pin=True`` returns the sealed item pinned (as ``Store.try_get``, without a
+    second lookup), or None if it was deleted or evicted in between."""
 
 def decode_item(
     data: Buffer,

@@ -152,13 +152,16 @@ def put_described(
     values: list[Any],
     meta: Mapping[str, Any] | None,
     timeout: float | None,
-) -> None:
+    *,
+    pin: bool = False,
+) -> memoryview | None:
     """``put_item`` of arrays already described by ``_spec`` (``full``), ``values``
-    being the arrays themselves in the same order."""
+    being the arrays themselves in the same order. With ``pin``, returns the sealed item
+    pinned (what ``store.try_get(key)`` returns, without its lookup), or None if another
+    process deleted or evicted it in between."""
     if all(f[3] is not None for f in full):
         # Every array is C-contiguous: one native call plans, creates, copies and seals.
-        _native.put_item_buffers(store, key, full, dict(meta) if meta else {}, timeout)
-        return
+        return _native.put_item_buffers(store, key, full, dict(meta) if meta else {}, timeout, pin)
     specs = [f[:3] for f in full]
     header, placements, total = _native.plan_item(list(specs), dict(meta or {}))
     c = store.create_object(key, total, timeout=timeout)
@@ -177,6 +180,7 @@ def put_described(
         except Exception:
             pass  # a buffer still alive keeps the block until it goes; then it is freed
         raise
+    return store.try_get(key) if pin else None
 
 
 def get_item(

@@ -150,25 +150,27 @@ class Unsupported(ValueError):
 
 
 @functools.cache
-def _field_layout(cls) -> tuple[str | None, tuple[str, ...]]:
-    """A field class's factory name (vLLM's own table) and the names of its parameters
-    (once per class: the front-end asks for every element of every item)."""
+def _field_layout(cls) -> tuple[str, tuple[tuple[str, bool], ...]] | None:
+    """A field class's factory name (vLLM's own table) and its parameters, each with
+    whether it holds slices; None for a class we do not store. Once per class: the
+    front-end asks for every element of every item."""
     import dataclasses
 
     from vllm.v1.serial_utils import MMF_CLASS_TO_FACTORY
 
-    return MMF_CLASS_TO_FACTORY.get(cls), tuple(f.name for f in dataclasses.fields(cls))
-
-
-def _field_kind(field) -> tuple[str, dict[str, Any]]:
-    name, params = _field_layout(type(field))  # type: ignore[arg-type]  # vLLM untyped here
+    name = MMF_CLASS_TO_FACTORY.get(cls)
     if name not in _FIELD_KINDS:
+        return None
+    return name, tuple((f.name, f.name == "slices") for f in dataclasses.fields(cls))
+
+
+def _field_kind(field) -> list[Any]:
+    """``[factory name, parameters]`` of a field, as the item's structure records it."""
+    layout = _field_layout(type(field))  # type: ignore[arg-type]  # vLLM untyped here
+    if layout is None:
         raise Unsupported("field", f"field type {type(field).__name__}")
-    kw = {}
-    for p in params:
-        v = getattr(field, p)
-        kw[p] = _slices_out(v) if p == "slices" else v
-    return name, kw
+    name, params = layout
+    return [name, {p: _slices_out(getattr(field, p)) if sl else getattr(field, p) for p, sl in params}]
 
 
 def _slices_out(v):
@@ -271,10 +273,12 @@ def encode_item(item: MultiModalKwargsItem) -> tuple[dict[str, torch.Tensor], di
 def describe_item(item: MultiModalKwargsItem) -> tuple[_Described, dict[str, Any]]:
     """``encode_item``'s work in the form ``put_described`` takes: the front-end's path."""
     out = _Described()
-    keys = []
-    for key, elem in item.items():
-        kind, kw = _field_kind(elem.field)
-        keys.append({"k": key, "field": [kind, kw], "data": _data_out(elem.data, out)})
+    # `.data`: the item's own dict (a UserDict's documented attribute), iterated without
+    # the Mapping mixin's per-element calls.
+    keys = [
+        {"k": key, "field": _field_kind(elem.field), "data": _data_out(elem.data, out)}
+        for key, elem in item.data.items()
+    ]
     return out, {_STRUCTURE: _to_json({"v": FORMAT, "keys": keys})}
 
 
@@ -309,8 +313,16 @@ def decode_item(arrays: dict[str, Any]) -> MultiModalKwargsItem:
 
 def marker_item() -> MultiModalKwargsItem:
     """What crosses vLLM's RPC for an item in the store: no data, no address, no
-    signature. The receiver looks the item up by the request's ``mm_hash``."""
-    return MultiModalKwargsItem({MARKER: MultiModalFieldElem(data=FORMAT, field=_MARKER_FIELD)})
+    signature. The receiver looks the item up by the request's ``mm_hash``.
+
+    A new item each time (vLLM's items are mutable), built around ``UserDict.__init__``,
+    whose generic ``update`` costs more than the rest of a hit in the sender."""
+    item = _new_item(MultiModalKwargsItem)
+    item.data = {MARKER: MultiModalFieldElem(FORMAT, _MARKER_FIELD)}
+    return item
+
+
+_new_item = MultiModalKwargsItem.__new__
 
 
 #: The marker's field (frozen, so one instance serves every marker).
@@ -548,19 +560,20 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
                     f"{out.nbytes / _MiB:.1f} MiB is over --mm-shm-cache-max-object-size-mb="
                     f"{self.max_object_size // _MiB}",
                 )
-            put_described(self.store, mm_hash, out.specs, out.tensors, meta, None)
+            # Pinned as it is sealed: the send below needs no second lookup.
+            pin = put_described(self.store, mm_hash, out.specs, out.tensors, meta, None, pin=True)
         except Unsupported as e:
             self._warn_once(e.reason, f"shmstore: an item goes inline ({e}); said once per reason")
             return mm_item
         except _native.AlreadyExists:
-            pass  # another front-end is putting (or put) it: the first put wins
+            pin = None  # another front-end is putting (or put) it: the first put wins
         except (_native.Full, _native.TooLarge, _native.TableFull) as e:
             logger.debug("shmstore: item %s not cached (%s)", mm_hash, e)
             return mm_item
         self._updates[mm_hash] = updates
         self._updates.move_to_end(mm_hash)
         self._forget_sent(mm_hash)  # a pin from an earlier send may be of a deleted object
-        self._send(mm_hash, None)
+        self._send(mm_hash, pin)
         return marker_item(), updates
 
     @override

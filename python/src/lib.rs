@@ -977,17 +977,20 @@ fn dtype(name: &str) -> PyResult<DType> {
 /// shape, buffer) where each buffer is C-contiguous and holds exactly that array's bytes
 /// (a numpy array, or a torch tensor's `.numpy()`; bfloat16 as any 2-byte view). Plans the
 /// header, creates the object, copies header and arrays, seals: one copy per array, no
-/// Python per array, and without the GIL while it creates and copies.
+/// Python per array, and without the GIL while it creates and copies. With `pin=True`
+/// it returns the sealed item pinned, as `Store.try_get` would, without a second lookup
+/// (None if another process deleted or evicted it between the seal and the pin).
 #[pyfunction]
-#[pyo3(signature = (store, id, arrays, meta, timeout=None))]
-fn put_item_buffers(
-    py: Python<'_>,
+#[pyo3(signature = (store, id, arrays, meta, timeout=None, pin=false))]
+fn put_item_buffers<'py>(
+    py: Python<'py>,
     store: &PyStore,
-    id: &Bound<'_, PyAny>,
-    arrays: &Bound<'_, PyList>,
-    meta: &Bound<'_, PyDict>,
+    id: &Bound<'py, PyAny>,
+    arrays: &Bound<'py, PyList>,
+    meta: &Bound<'py, PyDict>,
     timeout: Option<f64>,
-) -> PyResult<()> {
+    pin: bool,
+) -> PyResult<Option<Bound<'py, PyMemoryView>>> {
     let id = object_id(id)?;
     let mut specs = Vec::with_capacity(arrays.len());
     let mut bufs = Vec::with_capacity(arrays.len());
@@ -1018,7 +1021,7 @@ fn put_item_buffers(
         }
     }
     let s = &store.s;
-    let write = || -> shmstore::Result<()> {
+    let write = || -> shmstore::Result<Option<View>> {
         let mut c = match timeout {
             None => s.create_object(&id, plan.total_len)?,
             Some(t) => s.create_object_wait(&id, plan.total_len, Duration::from_secs_f64(t))?,
@@ -1027,11 +1030,22 @@ fn put_item_buffers(
         for (buf, &(off, n)) in bufs.iter().zip(&plan.placements) {
             c[off as usize..(off + n) as usize].copy_from_slice(buf.as_slice());
         }
-        c.seal()
+        c.seal()?;
+        if !pin {
+            return Ok(None);
+        }
+        match s.try_get(&id) {
+            Ok(v) => Ok(Some(v)),
+            Err(shmstore::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
     };
     let r = py.detach(write);
     drop(bufs); // released with the GIL held
-    r.map_err(err)
+    match r.map_err(err)? {
+        Some(v) => Ok(Some(PyMemoryView::from(PyView::wrap(py, v)?.as_any())?)),
+        None => Ok(None),
+    }
 }
 
 /// Lays out a tensor item: `arrays` is a list of (name, dtype name, shape); returns

@@ -75,6 +75,31 @@ def test_arrays_share_memory_and_pin_the_item(store):
     assert store.stats()["pins"] == 0 and store.stats()["draining"] == 0
 
 
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_put_described_with_pin_returns_the_sealed_item_pinned(store, contiguous):
+    from shmstore.items import _spec, put_described
+
+    a = np.arange(40_000, dtype=np.float32).reshape(200, 200)
+    if not contiguous:  # the element-wise path (plan, create, copy, seal) in Python
+        a = a[:, ::2]
+    full = [_spec("x", a)]
+    assert (full[0][3] is not None) == contiguous
+    pin = put_described(store, "pinned", full, [a], {"k": 1}, None, pin=True)
+    assert pin is not None
+    assert store.stats()["pins"] == 1
+    assert bytes(pin) == bytes(store.get("pinned", 1.0)), "the view is the sealed item"
+    got = shmstore.get_item(store, "pinned", 1.0)
+    assert np.array_equal(got["x"], a) and got["__meta__"] == {"k": 1}
+    del got
+    store.delete("pinned")
+    assert store.stats()["draining"] == 1, "the returned pin keeps the deleted item"
+    pin.release()
+    gc.collect()
+    assert store.stats()["pins"] == 0 and store.stats()["draining"] == 0
+    assert put_described(store, "unpinned", full, [a], None, None) is None
+    assert store.stats()["pins"] == 0
+
+
 def test_a_failed_put_item_leaves_nothing(store):
     class Boom:
         def __array__(self, dtype=None, copy=None):
