@@ -419,16 +419,25 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
         except _native.StoreNotFound:
             pass
         try:
-            s = _native.Store.create(
-                name,
-                capacity,
-                max_objects=max(1 << 16, capacity >> 16),
-                max_clients=256,
-                evict=True,
-                remove_when_unused=True,
-                prefault=False,
-                huge_pages="off" if os.environ.get("SHMSTORE_VLLM_HUGE_PAGES") == "off" else "auto",
-            )
+            try:
+                s = _native.Store.create(
+                    name,
+                    capacity,
+                    max_objects=max(1 << 16, capacity >> 16),
+                    max_clients=256,
+                    evict=True,
+                    remove_when_unused=True,
+                    prefault=False,
+                    huge_pages="off" if os.environ.get("SHMSTORE_VLLM_HUGE_PAGES") == "off" else "auto",
+                )
+            except _native.InsufficientSpace as e:
+                # The capacity is vLLM's setting: say which one, and the usual fixes.
+                gb = vllm_config.model_config.get_multimodal_config().mm_processor_cache_gb
+                raise _native.InsufficientSpace(
+                    f"{e}. vLLM sets the capacity: --mm-processor-cache-gb={gb:g}. Lower "
+                    "it, run the container with --shm-size=<size> or --ipc=host, or set "
+                    "SHMSTORE_VLLM_DIR to a tmpfs with room"
+                ) from None
             st = s.stats()
             logger.info(
                 "shmstore: multimodal cache in %s (%.1f GiB, %s pages, shared by every "

@@ -219,6 +219,21 @@ def test_shmstore_vllm_dir_moves_the_store_its_workers_and_its_cleanup(
             os.rmdir(directory)
 
 
+def test_a_cache_larger_than_dev_shm_fails_at_start_naming_vllms_setting(store_env):
+    # Docker's default /dev/shm is 64 MiB: the operator must learn at start which vLLM
+    # setting to lower or which container option to raise, not from a SIGBUS later.
+    st = os.statvfs("/dev/shm")
+    free_gb = st.f_bavail * st.f_frsize / (1 << 30)
+    cfg = make_config(cache_mb=(free_gb * 2 + 1) * 1024)
+    with pytest.raises(shmstore.InsufficientSpace) as e:
+        sv.ShmstoreSenderCache(cfg)
+    msg = str(e.value)
+    gb = cfg.model_config.get_multimodal_config().mm_processor_cache_gb
+    assert f"--mm-processor-cache-gb={gb:g}" in msg, msg
+    assert "/dev/shm" in msg and "--shm-size" in msg and "SHMSTORE_VLLM_DIR" in msg, msg
+    assert not os.path.exists(sv.store_path()), "nothing is left behind"
+
+
 def test_cuda_registration_is_skipped_cleanly_without_a_gpu(store_env, monkeypatch, caplog):
     import torch
 
