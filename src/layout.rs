@@ -15,6 +15,8 @@
 //!          page bitmap       pages / 64 words      1 bit per 4 KiB heap page
 //!          page summary      pages / 4096 words    1 bit per bitmap word: "holds a taken page",
 //!                            + 1/64 of that        then 1 bit per summary word: "all ones"
+//!          page owners       pages x 4 B           slot + 1 at each page run's first and last
+//!                                                  page (a hint for eviction, validated)
 //!          slab descriptors  slabs x 136 B         state + block bitmap per 64 KiB unit
 //!          partial bitmaps   CLASSES x slabs/64    "slab of class c may have a free block"
 //!          table buckets     slots x 8 B           neighbourhood bitmaps (two bins each)
@@ -34,7 +36,7 @@ use std::path::Path;
 /// Magic bytes at offset 0.
 pub(crate) const MAGIC: [u8; 8] = *b"SHMSTORE";
 /// Layout version; bump on any incompatible change.
-pub(crate) const LAYOUT_VERSION: u32 = 5;
+pub(crate) const LAYOUT_VERSION: u32 = 6;
 /// Heap page size: large objects are page-aligned runs of these.
 pub(crate) const PAGE: u64 = 4096;
 /// Slab unit: small objects live in 64 KiB slabs aligned to 64 KiB.
@@ -100,7 +102,8 @@ pub(crate) struct Superblock {
     pub flags: u64,
     pub pin_stride: u64,
     pub page_summary_offset: u64,
-    pub _reserved: [u64; 6],
+    pub page_owners_offset: u64,
+    pub _reserved: [u64; 5],
     pub checksum: u64,
 }
 
@@ -177,6 +180,7 @@ impl Params {
         let hints_offset = take(HINTS * 64, 64);
         let page_bitmap_offset = take(pages.div_ceil(64) * 8, 64);
         let page_summary_offset = take(summary_words(pages) * 8, 64);
+        let page_owners_offset = take(pages * 4, 64);
         let slab_desc_offset = take(slabs * SLAB_DESC_SIZE, 64);
         let partial_offset = take(CLASSES * partial_words * 8, 64);
         let buckets_offset = take(self.table_slots * 8, 64);
@@ -218,7 +222,8 @@ impl Params {
             flags: 0,
             pin_stride,
             page_summary_offset,
-            _reserved: [0; 6],
+            page_owners_offset,
+            _reserved: [0; 5],
             checksum: 0,
         })
     }
@@ -318,6 +323,7 @@ mod tests {
             (l.hints_offset, HINTS * 64),
             (l.page_bitmap_offset, l.pages.div_ceil(64) * 8),
             (l.page_summary_offset, summary_words(l.pages) * 8),
+            (l.page_owners_offset, l.pages * 4),
             (l.slab_desc_offset, l.slabs * SLAB_DESC_SIZE),
             (l.partial_offset, CLASSES * l.partial_words * 8),
             (l.buckets_offset, l.table_slots * 8),

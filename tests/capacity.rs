@@ -81,6 +81,93 @@ fn least_recently_used_goes_first_and_gets_refresh_recency() {
     s.check_invariants().unwrap();
 }
 
+/// A store full of `n` objects of `len` bytes each (page runs: over 16 KiB), in order.
+fn full_of(capacity: u64, len: usize) -> (Store, usize) {
+    let s = evicting(capacity);
+    let mut n = 0;
+    while s.stats().free >= len as u64 {
+        s.put(&key(n), &vec![n as u8; len]).unwrap();
+        n += 1;
+    }
+    assert_eq!(s.stats().evictions, 0);
+    (s, n)
+}
+
+#[test]
+fn a_large_put_evicts_about_its_own_size_not_the_whole_store() {
+    // vLLM's mix: many small images, then a video. Every object is cold (never read), so
+    // CLOCK may take any of them; the holes it leaves are scattered by table order, and
+    // a 1 MiB run needs 52 neighbours in a row. Evicting cold objects until two holes
+    // happen to touch took almost the whole store; widening the first hole takes what
+    // the request needs.
+    const SMALL: usize = 20 << 10;
+    const LARGE: usize = 1 << 20;
+    let (s, n) = full_of(16 << 20, SMALL);
+    let per_put = LARGE.div_ceil(SMALL) as u64 + 2;
+    for j in 0..8u64 {
+        let before = s.stats().evictions;
+        s.put(&ObjectId::of_key(format!("video-{j}")), &vec![7; LARGE])
+            .unwrap();
+        let took = s.stats().evictions - before;
+        assert!(
+            took <= per_put,
+            "put {j} of 1 MiB evicted {took} objects of 20 KiB (at most {per_put} needed)"
+        );
+    }
+    let left = (0..n).filter(|&i| s.contains(&key(i))).count() as u64;
+    assert!(
+        left + 8 * per_put >= n as u64,
+        "{left} of {n} small objects left"
+    );
+    for i in (0..n).filter(|&i| s.contains(&key(i))) {
+        assert!(s.try_get(&key(i)).unwrap().iter().all(|&b| b == i as u8));
+    }
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn widening_a_hole_never_takes_pinned_or_unevictable_neighbours() {
+    const SMALL: usize = 20 << 10;
+    const LARGE: usize = 1 << 20;
+    let (s, n) = full_of(16 << 20, SMALL);
+    // Every 32nd object is an obstacle, pinned or marked never evictable in turn: the
+    // stretches between them hold 31 objects (620 KiB), so no 1 MiB hole can be made
+    // without taking an obstacle, and 400 KiB fits in any stretch.
+    let pinned: Vec<_> = (0..n)
+        .step_by(64)
+        .map(|i| (i, s.try_get(&key(i)).unwrap()))
+        .collect();
+    let stay: Vec<usize> = (32..n).step_by(64).collect();
+    for &i in &stay {
+        s.delete(&key(i)).unwrap();
+        let mut c = s.create_object(&key(i), SMALL as u64).unwrap();
+        c.fill(i as u8);
+        c.set_evictable(false).unwrap();
+        c.seal().unwrap();
+    }
+    // No 1 MiB stretch without an obstacle: the put fails after bounded work, and every
+    // pinned and unevictable object is still there, unchanged.
+    match s.put(&ObjectId::of_key("video"), &vec![7; LARGE]) {
+        Err(Error::Full { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    for (i, v) in &pinned {
+        assert!(s.contains(&key(*i)), "pinned object {i} was evicted");
+        assert!(
+            v.iter().all(|&b| b == *i as u8),
+            "pinned object {i} changed"
+        );
+    }
+    for &i in &stay {
+        assert!(s.contains(&key(i)), "unevictable object {i} was evicted");
+    }
+    // A request that fits between two obstacles still gets in.
+    s.put(&ObjectId::of_key("image"), &vec![7; 400 << 10])
+        .unwrap();
+    drop(pinned);
+    s.check_invariants().unwrap();
+}
+
 #[test]
 fn objects_marked_not_evictable_stay() {
     let s = evicting(1 << 20);

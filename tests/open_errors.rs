@@ -66,7 +66,7 @@ fn wrong_version_is_version_mismatch() {
         Err(
             e @ Error::VersionMismatch {
                 found: 7,
-                supported: 5,
+                supported: 6,
                 ..
             },
         ) => {

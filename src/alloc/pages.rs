@@ -97,6 +97,30 @@ impl Allocator<'_> {
         None
     }
 
+    /// Index of the last set page bit in `[lo, p)`.
+    fn prev_used(&self, lo: u64, mut p: u64) -> Option<u64> {
+        while p > lo {
+            let w = ((p - 1) / 64) as usize;
+            let from = lo.saturating_sub(w as u64 * 64);
+            let bits = self.pages[w].load(Ordering::Relaxed) & range_mask(from, p - w as u64 * 64);
+            if bits != 0 {
+                return Some(w as u64 * 64 + 63 - bits.leading_zeros() as u64);
+            }
+            p = w as u64 * 64;
+        }
+        None
+    }
+
+    /// The run of free pages around `[first, end)` (which the caller found free): how far
+    /// the free pages reach below `first` and from `end` on, as `[start, stop)`. A racy
+    /// look (claims and frees go on), for planning only; clamped to the heap.
+    pub(crate) fn free_extent(&self, first: u64, end: u64) -> (u64, u64) {
+        let (first, end) = (first.min(self.npages), end.min(self.npages));
+        let start = self.prev_used(0, first).map_or(0, |p| p + 1);
+        let stop = self.next_used(end, self.npages).unwrap_or(self.npages);
+        (start, stop)
+    }
+
     /// Claims `[first, first + n)` word by word in ascending order. On conflict, rolls back
     /// and returns the page index that was found taken. Counted in the claims-begun /
     /// claims-ended counters, so that a searcher can tell whether bits it skipped may

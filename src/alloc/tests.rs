@@ -444,6 +444,42 @@ fn page_runs_coalesce() {
 }
 
 #[test]
+fn free_extent_reaches_across_free_pages_on_both_sides_and_stops_at_taken_ones() {
+    // 200 pages: four runs of 50; free the 2nd and 3rd: one free extent of 100 pages,
+    // crossing the bitmap words 64 and 128 apart.
+    let h = HeapAllocator::new(200 * PAGE);
+    let a = h.get();
+    let runs: Vec<Block> = (0..4).map(|_| a.alloc(50 * PAGE).unwrap()).collect();
+    let mut offsets: Vec<u64> = runs.iter().map(|b| b.offset / PAGE).collect();
+    offsets.sort_unstable();
+    assert_eq!(offsets, [0, 50, 100, 150]);
+    let at = |p: u64| *runs.iter().find(|b| b.offset == p * PAGE).unwrap();
+    a.free(at(50)).unwrap();
+    a.free(at(100)).unwrap();
+    assert_eq!(a.free_extent(50, 100), (50, 150));
+    assert_eq!(a.free_extent(100, 150), (50, 150));
+    assert_eq!(a.free_extent(70, 70), (50, 150));
+    // Taken pages stop it: from the start of the run at 150 (free below), and at the
+    // bottom of the run at 0 (taken above).
+    assert_eq!(a.free_extent(150, 150), (50, 150));
+    assert_eq!(a.free_extent(0, 0), (0, 0));
+    a.free(at(0)).unwrap();
+    assert_eq!(
+        a.free_extent(60, 61),
+        (0, 150),
+        "down to the bottom of the heap"
+    );
+    a.free(at(150)).unwrap();
+    assert_eq!(
+        a.free_extent(199, 200),
+        (0, 200),
+        "up to the top of the heap"
+    );
+    // Out-of-range questions are clamped, never a panic.
+    assert_eq!(a.free_extent(500, 900), (0, 200));
+}
+
+#[test]
 fn threads_allocate_and_free_concurrently() {
     let h = std::sync::Arc::new(HeapAllocator::new(8 << 20));
     let threads: Vec<_> = (0..if cfg!(miri) { 2 } else { 4 })

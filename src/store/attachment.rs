@@ -21,7 +21,7 @@
 //! pages and never their contents (docs/design.md, "Huge pages").
 
 use crate::alloc::{Allocator, Block, Padded, SlabDesc};
-use crate::capacity::{self, Globals};
+use crate::capacity::{self, Globals, PageOwners};
 use crate::client::{self, Claimed, ClientHeader, Clients, Liveness, SlotLocks};
 use crate::error::{Error, Result};
 use crate::layout::{
@@ -31,7 +31,7 @@ use crate::layout::{
 use crate::liveness::{self, LockFile};
 use crate::recovery::{RecoveryReport, World, MAINTENANCE_PERIOD};
 use crate::region::Mapping;
-use crate::sync::{AtomicPtr, AtomicU16, AtomicU64, Ordering};
+use crate::sync::{AtomicPtr, AtomicU16, AtomicU32, AtomicU64, Ordering};
 use crate::table::{Entry, Event, Reclaimer, Sections, Slot, SlotRef, Table, WaitBucket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,6 +48,8 @@ unsafe trait SharedPod {}
 unsafe impl SharedPod for AtomicU64 {}
 // SAFETY: atomics of u16 are valid for every bit pattern.
 unsafe impl SharedPod for AtomicU16 {}
+// SAFETY: atomics of u32 are valid for every bit pattern.
+unsafe impl SharedPod for AtomicU32 {}
 // SAFETY: Padded is repr(C) around an AtomicU64 plus alignment padding.
 unsafe impl SharedPod for Padded<AtomicU64> {}
 // SAFETY: repr(C) of AtomicU64s.
@@ -141,6 +143,8 @@ pub(super) struct Inner {
     buckets: &'static [AtomicU64],
     waits: &'static [WaitBucket],
     pins: &'static [AtomicU16],
+    /// Slot + 1 at each page run's first and last page ([`PageOwners`]).
+    owners: &'static [AtomicU32],
     pub(super) globals: &'static Globals,
     clients: &'static [ClientHeader],
     /// This process's [`Binding`] (a leaked box; null until bound). Replaced only in a
@@ -277,11 +281,25 @@ impl Inner {
         }
         // SAFETY: `base`/`total` describe `map`, which `Inner` owns and drops after these
         // slices (field order); the slices never leave `Inner`.
-        let (globals, pages, summary, slabs, partial, hints, slots, buckets, waits, pins, clients) = unsafe {
+        let (
+            globals,
+            pages,
+            summary,
+            owners,
+            slabs,
+            partial,
+            hints,
+            slots,
+            buckets,
+            waits,
+            pins,
+            clients,
+        ) = unsafe {
             (
                 &section::<Globals>(base, total, sb.globals_offset, 1)?[0],
                 section(base, total, sb.page_bitmap_offset, sb.pages.div_ceil(64))?,
                 section(base, total, sb.page_summary_offset, summary_words(sb.pages))?,
+                section(base, total, sb.page_owners_offset, sb.pages)?,
                 section(base, total, sb.slab_desc_offset, sb.slabs)?,
                 section(base, total, sb.partial_offset, sb.partial_words * CLASSES)?,
                 section(base, total, sb.hints_offset, HINTS)?,
@@ -306,6 +324,7 @@ impl Inner {
             globals,
             pages,
             summary,
+            owners,
             slabs,
             partial,
             hints,
@@ -475,6 +494,11 @@ impl Inner {
             pins: self.pins,
             stride: self.sb.pin_stride as usize,
         }
+    }
+
+    /// The owner of each page run, by address (a hint for eviction).
+    pub(super) fn page_owners(&self) -> PageOwners<'_> {
+        PageOwners(self.owners)
     }
 
     pub(super) fn alloc(&self) -> Allocator<'_> {
@@ -988,6 +1012,7 @@ impl<'a> Actor<'a> {
                 inner.globals,
                 &self.table(),
                 &alloc,
+                &inner.page_owners(),
                 need,
                 &self.header().counters.evicted,
             )?;

@@ -240,6 +240,8 @@ impl Store {
             }
         };
         drop(op);
+        // Eviction finds objects by address through this (see `PageOwners`).
+        inner.page_owners().record(&block, slot.index as usize);
         let res = match inner.resolve(&entry) {
             Ok(r) => r,
             Err(e) => {

@@ -883,11 +883,24 @@ impl<'a> Table<'a> {
     /// any is raised it moves the slot back; a pinner that meets EVICTING cancels it
     /// itself. Only `EVICTING -> DELETED` evicts, so an object is never evicted while a
     /// pin the hand could not see is taken.
+    #[cfg(any(test, loom))]
     pub(crate) fn clock_step(&self, i: usize) -> Result<bool> {
+        Ok(self.evict_step(i, None)?.is_some())
+    }
+
+    /// The eviction step itself. With `only` = `Some(gen)` it evicts the object of that
+    /// generation only, whatever its referenced bit says (a neighbour evicted to widen a
+    /// hole, see [`crate::capacity`]); with `None` it is one CLOCK step. Returns the entry
+    /// of the object it evicted: read after the slot was seen SEALED and confirmed by the
+    /// CAS on the same generation, so it is that object's.
+    pub(crate) fn evict_step(&self, i: usize, only: Option<u32>) -> Result<Option<Entry>> {
         let Some(s) = self.slots.get(i) else {
-            return Ok(false);
+            return Ok(None);
         };
         let c = Ctl(s.ctl.load(Ordering::Acquire));
+        if only.is_some_and(|gen| gen != c.gen()) {
+            return Ok(None);
+        }
         if c.state() == EVICTING {
             // A hand that died mid-step (or a slow one): cancel, the object stays.
             let _ = s.ctl.compare_exchange(
@@ -896,25 +909,26 @@ impl<'a> Table<'a> {
                 SC,
                 Ordering::Relaxed,
             );
-            return Ok(false);
+            return Ok(None);
         }
         if c.state() != SEALED {
-            return Ok(false);
+            return Ok(None);
         }
         let info = s.info.load(Ordering::Relaxed);
         if info & INFO_NO_EVICT != 0 {
-            return Ok(false);
+            return Ok(None);
         }
-        if info & INFO_REFERENCED != 0 {
+        if only.is_none() && info & INFO_REFERENCED != 0 {
             s.info.fetch_and(!INFO_REFERENCED, Ordering::Relaxed);
-            return Ok(false);
+            return Ok(None);
         }
+        let entry = self.entry(i);
         let evicting = Ctl::new(EVICTING, None, c.gen());
         if s.ctl
             .compare_exchange(c.0, evicting.0, SC, Ordering::Relaxed)
             .is_err()
         {
-            return Ok(false);
+            return Ok(None);
         }
         dekker_fence();
         let pinned = !crate::sync::mutation("evict_pinned")
@@ -923,9 +937,22 @@ impl<'a> Table<'a> {
             let _ = s
                 .ctl
                 .compare_exchange(evicting.0, c.0, SC, Ordering::Relaxed);
-            return Ok(false);
+            return Ok(None);
         }
-        Ok(self.retire(i, c.gen(), &[EVICTING]).0)
+        Ok(self.retire(i, c.gen(), &[EVICTING]).0.then_some(entry))
+    }
+
+    /// Whether slot `i` holds, at generation `gen`, a sealed object that eviction may
+    /// take now (evictable, no pin raised): a racy look, to plan before evicting.
+    pub(crate) fn evictable_now(&self, i: usize, gen: u32) -> bool {
+        let Some(s) = self.slots.get(i) else {
+            return false;
+        };
+        let c = Ctl(s.ctl.load(Ordering::Acquire));
+        c.state() == SEALED
+            && c.gen() == gen
+            && s.info.load(Ordering::Relaxed) & INFO_NO_EVICT == 0
+            && self.row(i).iter().all(|k| k.load(Ordering::Relaxed) == 0)
     }
 
     /// Live entries (CREATING or SEALED) by a full scan.
