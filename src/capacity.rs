@@ -235,8 +235,9 @@ pub(crate) fn evict_until_fits(
 /// Widens the hole `victim` left to a run of free pages of at least `need` bytes, if the
 /// objects around it allow: plans first (free pages, and page-run objects that are
 /// sealed, evictable and unpinned now, found through [`PageOwners`] and checked against
-/// their entries), alternately above and below, and evicts the planned objects only if the
-/// plan reaches `need`. Returns whether it evicted them all; an object pinned or deleted
+/// their entries), taking at each step the neighbour above or below that completes the
+/// hole, or else the smaller one, and evicts the planned objects only if the plan reaches
+/// `need`. Returns whether it evicted them all; an object pinned or deleted
 /// between plan and eviction ends it early (the caller's allocation then finds what it
 /// finds). A plan blocked on both sides (a pinned, unevictable or still-being-written
 /// neighbour, or a slab) evicts nothing.
@@ -248,45 +249,61 @@ fn widen(
     need: u64,
     evicted: &AtomicU64,
 ) -> Result<bool> {
-    let heap = alloc.capacity();
+    let heap_pages = alloc.capacity() / PAGE;
     let need_pages = need.div_ceil(PAGE);
     let first = victim.offset / PAGE;
     let (mut lo, mut hi) = alloc.free_extent(first, first + victim.size / PAGE);
-    // A neighbour that eviction may take now: its slot, generation and block.
-    let neighbour =
-        |page: u64, starts_here: bool| -> Option<(usize, u32, Block)> {
-            let slot = owners.at(page)?;
-            let (ctl, _, entry) = table.read_slot(slot)?;
-            let (block, _) = entry.block(heap).ok()?;
-            let at = if starts_here {
-                block.offset == page * PAGE
-            } else {
-                block.offset + block.size == (page + 1) * PAGE
-            };
-            (block.kind == BlockKind::Pages && at && table.evictable_now(slot, ctl.gen()))
-                .then_some((slot, ctl.gen(), block))
-        };
+    // The neighbour that ends the free run at `hi` (above) or starts it at `lo` (below),
+    // if eviction may take it now: its slot, generation, pages, and the edge of the free
+    // run once it is gone (free pages beyond it included).
+    let above = |hi: u64| -> Option<Step> {
+        let s = Step::of(
+            table,
+            owners,
+            alloc.capacity(),
+            (hi < heap_pages).then_some(hi)?,
+        )?;
+        (s.first == hi).then(|| Step {
+            edge: alloc.free_extent(s.end, s.end).1,
+            ..s
+        })
+    };
+    let below = |lo: u64| -> Option<Step> {
+        let s = Step::of(table, owners, alloc.capacity(), lo.checked_sub(1)?)?;
+        (s.end == lo).then(|| Step {
+            edge: alloc.free_extent(s.first, s.first).0,
+            ..s
+        })
+    };
+    let (mut up, mut down) = (above(hi), below(lo));
     let mut plan = Vec::new();
-    // Upwards until blocked, then downwards until the plan fits or is blocked there too.
-    let mut up = true;
     while hi - lo < need_pages {
-        if up && hi < heap / PAGE {
-            if let Some((slot, gen, b)) = neighbour(hi, true) {
-                plan.push((slot, gen));
-                let end = (b.offset + b.size) / PAGE;
-                hi = alloc.free_extent(end, end).1;
-                continue;
+        // The side that completes the hole with fewer pages; else the smaller neighbour:
+        // a large neighbour taken to gain a few pages is data lost for nothing.
+        let go_up = match (&up, &down) {
+            (None, None) => return Ok(false),
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (Some(u), Some(d)) => {
+                let (u_done, d_done) = (u.edge - lo >= need_pages, hi - d.edge >= need_pages);
+                if u_done != d_done {
+                    u_done
+                } else {
+                    u.end - u.first <= d.end - d.first
+                }
             }
+        };
+        if go_up {
+            let s = up.take().expect("chosen side has a step");
+            plan.push((s.slot, s.gen));
+            hi = s.edge;
+            up = above(hi);
+        } else {
+            let s = down.take().expect("chosen side has a step");
+            plan.push((s.slot, s.gen));
+            lo = s.edge;
+            down = below(lo);
         }
-        up = false;
-        if lo > 0 {
-            if let Some((slot, gen, b)) = neighbour(lo - 1, false) {
-                plan.push((slot, gen));
-                lo = alloc.free_extent(b.offset / PAGE, b.offset / PAGE).0;
-                continue;
-            }
-        }
-        return Ok(false);
     }
     for (slot, gen) in plan {
         if table.evict_step(slot, Some(gen))?.is_none() {
@@ -295,6 +312,36 @@ fn widen(
         evicted.fetch_add(1, Ordering::Relaxed);
     }
     Ok(true)
+}
+
+/// One neighbour [`widen`] may evict.
+struct Step {
+    slot: usize,
+    gen: u32,
+    /// Its pages, `[first, end)`.
+    first: u64,
+    end: u64,
+    /// The free run's edge on this side once it is gone.
+    edge: u64,
+}
+
+impl Step {
+    /// The page run recorded as owning `page` (its first or last page), if its slot's
+    /// entry says so at the generation read and eviction may take it now.
+    fn of(table: &Table<'_>, owners: &PageOwners<'_>, heap: u64, page: u64) -> Option<Step> {
+        let slot = owners.at(page)?;
+        let (ctl, _, entry) = table.read_slot(slot)?;
+        let (block, _) = entry.block(heap).ok()?;
+        let (first, end) = (block.offset / PAGE, (block.offset + block.size) / PAGE);
+        let owns = block.kind == BlockKind::Pages && (first == page || end == page + 1);
+        (owns && table.evictable_now(slot, ctl.gen())).then_some(Step {
+            slot,
+            gen: ctl.gen(),
+            first,
+            end,
+            edge: 0,
+        })
+    }
 }
 
 /// Retries `attempt` while it fails with `Full`, sleeping on the space bucket between

@@ -408,19 +408,28 @@ pub fn forged_store_bytes(offset: u8, patch: &[u8], file_len: u32) -> Vec<u8> {
 /// Overwrites bytes of a live store's metadata (everything before the heap) and then runs
 /// operations on it: they must fail with errors or work, never crash or hang.
 pub fn scribble_and_exercise(writes: &[(u32, Vec<u8>)]) {
-    let h = Harness::new();
-    let s = h.store().clone();
-    for k in 0..6u8 {
-        let _ = s.put(&id(k), &content(1000 * k as u16 + 1, k));
+    // Both policies: an evicting store also runs the CLOCK hand and eviction by address,
+    // which read the page owners, slots and pin rows of objects it did not create.
+    for policy in [WhenFull::Fail, WhenFull::Evict] {
+        let h = Harness::with_policy(policy);
+        let s = h.store().clone();
+        for k in 0..6u8 {
+            let _ = s.put(&id(k), &content(1000 * k as u16 + 1, k));
+        }
+        // Page runs (over 16 KiB) that fill most of the store, so that the large puts
+        // of `exercise` must evict (or fail) in it.
+        for k in 0..5u8 {
+            let _ = s.put(&id(3 * KEYS + k), &vec![k; 40 << 10]);
+        }
+        let held = s.try_get(&id(1)).ok();
+        for (offset, bytes) in writes {
+            s.scribble_metadata(*offset as u64, bytes);
+        }
+        exercise(&s);
+        drop(held);
+        let _ = s.check_invariants();
+        let _ = s.stats();
     }
-    let held = s.try_get(&id(1)).ok();
-    for (offset, bytes) in writes {
-        s.scribble_metadata(*offset as u64, bytes);
-    }
-    exercise(&s);
-    drop(held);
-    let _ = s.check_invariants();
-    let _ = s.stats();
 }
 
 /// A fixed burst of every operation, ignoring results.
@@ -446,6 +455,9 @@ fn exercise(s: &Store) {
         }
         let _ = s.delete(&id(k));
         let _ = s.delete(&id(k + KEYS));
+    }
+    for k in 0..2u8 {
+        let _ = s.put(&id(4 * KEYS + k), &vec![k; 96 << 10]);
     }
 }
 

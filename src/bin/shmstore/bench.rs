@@ -618,6 +618,7 @@ pub(crate) fn alloc_beside_copy(store: &Store, reps: usize) -> Result<(f64, f64)
 /// deleted, does the whole capacity fit as one object again (nothing stranded)?
 fn churn(store: &Store, ops: usize, r: &mut Report) -> Result<(), String> {
     crate::frag::compare(store, ops, r)?;
+    crate::frag::eviction(store.stats().capacity, r)?;
     store.check_invariants().map_err(err)?;
     let after = store.stats();
     let fits = store
