@@ -8,7 +8,10 @@
 //!   so a pinned object is skipped, never waited for: no head-of-line blocking;
 //! * the hand sweeps the table at most twice per allocation (once to clear referenced
 //!   bits, once to evict), so a store whose objects are all pinned fails with `Full`
-//!   after a bounded amount of work;
+//!   after a bounded amount of work; a request for a page run adds, per victim, the
+//!   widening of its hole by address (work in proportion to the request, through the
+//!   [`PageOwners`] hints) and, once, a scan of the table for the cheapest window
+//!   ([`evict_window`]), so that it evicts about its own size, not the whole store;
 //! * every freed block bumps the space bucket, so a creator waiting for space wakes at
 //!   once; a pin dropped in an evicting store nudges it too (best effort, and waiters
 //!   re-check at least every [`SPACE_RECHECK`] regardless).
@@ -16,9 +19,10 @@
 use crate::alloc::{class_of, Allocator, Block, BlockKind};
 use crate::client::{ClientHeader, Counters, COUNTERS};
 use crate::error::{Error, Result};
-use crate::layout::PAGE;
+use crate::layout::{PAGE, PAGES_PER_SLAB, SLAB};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
-use crate::table::{Table, WaitBucket};
+use crate::table::{Table, WaitBucket, SEALED};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// How often a creator waiting for space re-checks even without a wake.
@@ -206,7 +210,12 @@ pub(crate) fn evict_until_fits(
     evicted: &AtomicU64,
 ) -> Result<Option<Block>> {
     let n = table.capacity();
-    let runs = class_of(need).is_none();
+    // A page-run request, as the allocator sees it (it serves 0 bytes from the 64-byte
+    // class).
+    let runs = class_of(need.max(1)).is_none();
+    // Bytes the hand took for this request; past `need` without a fit, one scan of the
+    // table looks for the cheapest window instead ([`evict_window`]).
+    let (mut taken, mut scanned) = (0u64, false);
     for _ in 0..2 * n {
         let i = globals.clock_hand.fetch_add(1, Ordering::Relaxed) % n;
         let Some(victim) = table.evict_step(i as usize, None)? else {
@@ -217,19 +226,154 @@ pub(crate) fn evict_until_fits(
         if let Some(b) = alloc.try_alloc(need)? {
             return Ok(Some(b));
         }
+        if !runs {
+            continue;
+        }
         let Ok((block, _)) = victim.block(alloc.capacity()) else {
             continue; // a corrupted entry: its hole is not ours to reason about
         };
-        if runs
-            && block.kind == BlockKind::Pages
-            && widen(table, alloc, owners, block, need, evicted)?
-        {
+        taken = taken.saturating_add(block.size);
+        let widened =
+            block.kind == BlockKind::Pages && widen(table, alloc, owners, block, need, evicted)?;
+        let windowed = !widened && !scanned && taken >= need && {
+            scanned = true;
+            evict_window(table, alloc, need, evicted)?
+        };
+        if widened || windowed {
             if let Some(b) = alloc.try_alloc(need)? {
                 return Ok(Some(b));
             }
         }
     }
     alloc.try_alloc(need)
+}
+
+/// A stretch of the heap in address order, for [`evict_window`]: pages `[first, end)`,
+/// the bytes of the objects in it and their slots and generations, or `blocked` if it
+/// cannot be freed now.
+struct Stretch {
+    first: u64,
+    end: u64,
+    bytes: u64,
+    blocked: bool,
+    objects: Vec<(usize, u32)>,
+}
+
+impl Stretch {
+    fn free(first: u64, end: u64, blocked: bool) -> Stretch {
+        Stretch {
+            first,
+            end,
+            bytes: 0,
+            blocked,
+            objects: Vec::new(),
+        }
+    }
+}
+
+/// The last resort of a page-run request that CLOCK and widening did not make room for,
+/// once the hand has taken `need` bytes: typically a store full of small objects, whose
+/// slabs the page owners do not describe. One scan of the table lays the heap out in
+/// address order (page runs; slabs, freeable only if every live block in them is a
+/// sealed object eviction may take now; free pages between them), finds the contiguous
+/// window of at least `need` bytes that evicts the fewest bytes, and evicts it. Costs
+/// one pass over the table's slots, at most once per request, against evicting the
+/// whole store. Returns whether it evicted the whole window.
+fn evict_window(
+    table: &Table<'_>,
+    alloc: &Allocator<'_>,
+    need: u64,
+    evicted: &AtomicU64,
+) -> Result<bool> {
+    let heap = alloc.capacity();
+    let pages = heap / PAGE;
+    let mut stretches: Vec<Stretch> = Vec::new();
+    let mut slabs: BTreeMap<u64, Stretch> = BTreeMap::new();
+    table.scan(|i, ctl, _, entry| {
+        let Ok((block, _)) = entry.block(heap) else {
+            return;
+        };
+        let ok = ctl.state() == SEALED && table.evictable_now(i, ctl.gen());
+        let st = match block.kind {
+            BlockKind::Pages => {
+                stretches.push(Stretch::free(
+                    block.offset / PAGE,
+                    (block.offset + block.size) / PAGE,
+                    false,
+                ));
+                stretches.last_mut().expect("just pushed")
+            }
+            BlockKind::Slab(_) => {
+                let s = block.offset / SLAB;
+                slabs.entry(s).or_insert_with(|| {
+                    Stretch::free(s * PAGES_PER_SLAB, (s + 1) * PAGES_PER_SLAB, false)
+                })
+            }
+        };
+        st.bytes += block.size;
+        st.blocked |= !ok;
+        st.objects.push((i, ctl.gen()));
+    });
+    for (s, mut st) in slabs {
+        // Every live block must be one of those found (claims in flight count as live).
+        st.blocked |= alloc.slab_live(s) != Some(st.objects.len() as u64);
+        stretches.push(st);
+    }
+    stretches.sort_unstable_by_key(|s| s.first);
+    // Tile the heap: pages between two stretches are free, or blocks the table does not
+    // name (being set up, leaked, idle slabs), which are a barrier.
+    let mut tiles: Vec<Stretch> = Vec::with_capacity(stretches.len() * 2 + 1);
+    let mut at = 0;
+    for st in stretches {
+        if st.first < at || st.end > pages {
+            return Ok(false); // overlapping entries: the table changed under the scan
+        }
+        if st.first > at {
+            let free = alloc.free_extent(at, at).1 >= st.first;
+            tiles.push(Stretch::free(at, st.first, !free));
+        }
+        at = st.end;
+        tiles.push(st);
+    }
+    if at < pages {
+        tiles.push(Stretch::free(
+            at,
+            pages,
+            alloc.free_extent(at, at).1 < pages,
+        ));
+    }
+    // The cheapest run of unblocked tiles spanning `need` bytes (two pointers).
+    let need_pages = need.div_ceil(PAGE).max(1);
+    let (mut lo, mut span, mut cost) = (0, 0u64, 0u64);
+    let mut best: Option<(u64, usize, usize)> = None;
+    for hi in 0..tiles.len() {
+        if tiles[hi].blocked {
+            (lo, span, cost) = (hi + 1, 0, 0);
+            continue;
+        }
+        span += tiles[hi].end - tiles[hi].first;
+        cost += tiles[hi].bytes;
+        while lo <= hi && span >= need_pages {
+            if best.is_none_or(|(c, _, _)| cost < c) {
+                best = Some((cost, lo, hi));
+            }
+            span -= tiles[lo].end - tiles[lo].first;
+            cost -= tiles[lo].bytes;
+            lo += 1;
+        }
+    }
+    let Some((_, lo, hi)) = best else {
+        return Ok(false);
+    };
+    for tile in &tiles[lo..=hi] {
+        for &(slot, gen) in &tile.objects {
+            if table.evict_step(slot, Some(gen))?.is_none() {
+                return Ok(false);
+            }
+            evicted.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    Ok(true)
 }
 
 /// Widens the hole `victim` left to a run of free pages of at least `need` bytes, if the
@@ -250,7 +394,7 @@ fn widen(
     evicted: &AtomicU64,
 ) -> Result<bool> {
     let heap_pages = alloc.capacity() / PAGE;
-    let need_pages = need.div_ceil(PAGE);
+    let need_pages = need.div_ceil(PAGE).max(1);
     let first = victim.offset / PAGE;
     let (mut lo, mut hi) = alloc.free_extent(first, first + victim.size / PAGE);
     // The neighbour that ends the free run at `hi` (above) or starts it at `lo` (below),

@@ -311,6 +311,17 @@ impl<'a> Allocator<'a> {
 
     // ----- page runs -------------------------------------------------------------------
 
+    /// The `live` count of the slab in 64 KiB unit `s` (blocks taken or reserved), or
+    /// `None` if the unit is not a slab now. A racy look, for planning.
+    pub(crate) fn slab_live(&self, s: u64) -> Option<u64> {
+        let st = self
+            .slabs
+            .get(usize::try_from(s).ok()?)?
+            .state
+            .load(Ordering::Relaxed);
+        (st >> 16 != 0).then_some(st & 0xffff)
+    }
+
     /// The largest page run that could be allocated now (idle current slabs count as
     /// free): a scan of the page bitmap only, 32 KiB per GiB of heap.
     pub(crate) fn largest_free(&self) -> u64 {
