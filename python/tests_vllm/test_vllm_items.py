@@ -171,6 +171,35 @@ def test_a_dropped_item_unpins_at_once_without_the_garbage_collector(store, kind
         gc.enable()
 
 
+def test_a_video_into_a_cache_full_of_small_items_evicts_about_its_own_size(store_env):
+    # Image tiles fill the cache, then videos arrive. Eviction used to go on in table
+    # order until two holes touched, which took most of the cache for one video; it now
+    # widens a cold item's hole by address. The sender's window of recent sends (a
+    # quarter of the store, pinned) stays where it is.
+    def item(nbytes):
+        return MultiModalKwargsItem({"pixel_values": MultiModalFieldElem(
+            data=torch.zeros(nbytes // 4), field=MultiModalBatchedField())})
+
+    sender = sv.ShmstoreSenderCache(make_config(cache_mb=128, max_object_mb=32))
+    store = sender.store
+    small = []
+    while store.stats()["evictions"] == 0:
+        h = f"tile-{len(small)}"
+        sender.get_and_update_item((item(256 << 10), []), h)
+        sender.release_sender_touches()
+        small.append(h)
+    per_video = (16 << 20) // (256 << 10)  # 64 tiles make room for one
+    for j in range(3):
+        before = store.stats()["evictions"]
+        out, _ = sender.get_and_update_item((item(16 << 20), []), f"video-{j}")
+        assert sv.is_marker(out), "the video went into the store"
+        took = store.stats()["evictions"] - before
+        assert took <= per_video + 8, f"video {j} evicted {took} tiles (needs {per_video})"
+    left = sum(store.contains(h) for h in small)
+    assert left >= len(small) - 3 * (per_video + 8), (left, len(small))
+    sender.close()
+
+
 def test_a_worker_answers_hits_from_the_items_it_keeps_within_its_budget(store_env):
     cfg = make_config()  # a 64 MiB store: each worker keeps up to 1/8, 8 MiB, by default
     sender = sv.ShmstoreSenderCache(cfg)
