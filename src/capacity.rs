@@ -21,7 +21,7 @@ use crate::client::{ClientHeader, Counters, COUNTERS};
 use crate::error::{Error, Result};
 use crate::layout::{PAGE, PAGES_PER_SLAB, SLAB};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
-use crate::table::{Table, WaitBucket, SEALED};
+use crate::table::{Entry, Table, WaitBucket, SEALED};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -69,7 +69,7 @@ pub(crate) struct Globals {
     pub space: WaitBucket,
     /// The counters of every client that has left (folded in when its slot is released).
     pub totals: Counters,
-    _pad2: [u64; 2],
+    _pad2: [u64; 1],
     /// Corrections the leak sweep found, as wrapping deltas: used bytes, sealed objects,
     /// objects being created, objects draining (see `crate::recovery`).
     pub correction: [AtomicU64; 4],
@@ -207,7 +207,7 @@ pub(crate) fn evict_until_fits(
     alloc: &Allocator<'_>,
     owners: &PageOwners<'_>,
     need: u64,
-    evicted: &AtomicU64,
+    counters: &Counters,
 ) -> Result<Option<Block>> {
     let n = table.capacity();
     // A page-run request, as the allocator sees it (it serves 0 bytes from the 64-byte
@@ -221,7 +221,7 @@ pub(crate) fn evict_until_fits(
         let Some(victim) = table.evict_step(i as usize, None)? else {
             continue;
         };
-        evicted.fetch_add(1, Ordering::Relaxed);
+        count_eviction(counters, &victim);
         // No numbers per attempt: a scan each would make eviction O(capacity).
         if let Some(b) = alloc.try_alloc(need)? {
             return Ok(Some(b));
@@ -234,10 +234,10 @@ pub(crate) fn evict_until_fits(
         };
         taken = taken.saturating_add(block.size);
         let widened =
-            block.kind == BlockKind::Pages && widen(table, alloc, owners, block, need, evicted)?;
+            block.kind == BlockKind::Pages && widen(table, alloc, owners, block, need, counters)?;
         let windowed = !widened && !scanned && taken >= need && {
             scanned = true;
-            evict_window(table, alloc, need, evicted)?
+            evict_window(table, alloc, need, counters)?
         };
         if widened || windowed {
             if let Some(b) = alloc.try_alloc(need)? {
@@ -246,6 +246,14 @@ pub(crate) fn evict_until_fits(
         }
     }
     alloc.try_alloc(need)
+}
+
+/// Counts one evicted object, and its payload bytes, in this client's counters.
+fn count_eviction(counters: &Counters, gone: &Entry) {
+    counters.evicted.fetch_add(1, Ordering::Relaxed);
+    counters
+        .evicted_bytes
+        .fetch_add(gone.len, Ordering::Relaxed);
 }
 
 /// A stretch of the heap in address order, for [`evict_window`]: pages `[first, end)`,
@@ -283,7 +291,7 @@ fn evict_window(
     table: &Table<'_>,
     alloc: &Allocator<'_>,
     need: u64,
-    evicted: &AtomicU64,
+    counters: &Counters,
 ) -> Result<bool> {
     let heap = alloc.capacity();
     let pages = heap / PAGE;
@@ -367,10 +375,10 @@ fn evict_window(
     };
     for tile in &tiles[lo..=hi] {
         for &(slot, gen) in &tile.objects {
-            if table.evict_step(slot, Some(gen))?.is_none() {
+            let Some(gone) = table.evict_step(slot, Some(gen))? else {
                 return Ok(false);
-            }
-            evicted.fetch_add(1, Ordering::Relaxed);
+            };
+            count_eviction(counters, &gone);
         }
     }
     Ok(true)
@@ -391,7 +399,7 @@ fn widen(
     owners: &PageOwners<'_>,
     victim: Block,
     need: u64,
-    evicted: &AtomicU64,
+    counters: &Counters,
 ) -> Result<bool> {
     let heap_pages = alloc.capacity() / PAGE;
     let need_pages = need.div_ceil(PAGE).max(1);
@@ -450,10 +458,10 @@ fn widen(
         }
     }
     for (slot, gen) in plan {
-        if table.evict_step(slot, Some(gen))?.is_none() {
+        let Some(gone) = table.evict_step(slot, Some(gen))? else {
             return Ok(false);
-        }
-        evicted.fetch_add(1, Ordering::Relaxed);
+        };
+        count_eviction(counters, &gone);
     }
     Ok(true)
 }

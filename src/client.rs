@@ -70,12 +70,14 @@ pub(crate) struct Counters {
     pub full: AtomicU64,
     /// Objects this client's allocations evicted.
     pub evicted: AtomicU64,
+    /// Payload bytes of those objects.
+    pub evicted_bytes: AtomicU64,
     /// Pins this client holds now (not folded: a client that leaves holds none).
     pub pins_held: AtomicU64,
 }
 
 /// The number of counters in [`Counters`].
-pub(crate) const COUNTERS: usize = 14;
+pub(crate) const COUNTERS: usize = 15;
 
 impl Counters {
     /// The counters in declaration order.
@@ -94,6 +96,7 @@ impl Counters {
             &self.gets_waited,
             &self.full,
             &self.evicted,
+            &self.evicted_bytes,
             &self.pins_held,
         ]
     }
@@ -131,7 +134,7 @@ pub(crate) struct ClientHeader {
     _pad: [u64; 2],
     /// What this client has done (from the second cache line on).
     pub counters: Counters,
-    _reserved: [u64; 10],
+    _reserved: [u64; 9],
 }
 
 #[cfg(not(loom))]

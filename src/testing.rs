@@ -70,6 +70,8 @@ pub struct Harness {
     incarnation: u64,
     evicts: bool,
     evicted: u64,
+    /// Payload bytes of those objects.
+    evicted_bytes: u64,
 }
 
 impl Default for Harness {
@@ -104,6 +106,7 @@ impl Harness {
             incarnation: 0,
             evicts: when_full == WhenFull::Evict,
             evicted: 0,
+            evicted_bytes: 0,
         }
     }
 
@@ -125,7 +128,9 @@ impl Harness {
             if self.views.iter().any(|v| v.0.id() == id(k) && v.2 == inc) {
                 return Err(format!("object {k} was evicted while a view pinned it"));
             }
-            self.sealed.remove(&k);
+            if let Some((bytes, _)) = self.sealed.remove(&k) {
+                self.evicted_bytes += bytes.len() as u64;
+            }
             self.evicted += 1;
         }
         Ok(())
@@ -312,10 +317,10 @@ impl Harness {
             self.creating.len() as u64,
             self.views.len() as u64,
         );
-        if st.evictions != self.evicted {
+        if (st.evictions, st.bytes_evicted) != (self.evicted, self.evicted_bytes) {
             return Err(format!(
-                "stats count {} evictions, the model saw {}",
-                st.evictions, self.evicted
+                "stats count {} evictions of {} bytes, the model saw {} of {}",
+                st.evictions, st.bytes_evicted, self.evicted, self.evicted_bytes
             ));
         }
         if (st.objects, st.creating, st.pins) != want {

@@ -119,6 +119,12 @@ fn a_large_put_evicts_about_its_own_size_not_the_whole_store() {
         left + 8 * per_put >= n as u64,
         "{left} of {n} small objects left"
     );
+    // The bytes evicted are those of the objects gone, to the byte.
+    let videos_gone = (0..8)
+        .filter(|j| !s.contains(&ObjectId::of_key(format!("video-{j}"))))
+        .count() as u64;
+    let gone = (n as u64 - left) * SMALL as u64 + videos_gone * LARGE as u64;
+    assert_eq!(s.stats().bytes_evicted, gone);
     for i in (0..n).filter(|&i| s.contains(&key(i))) {
         assert!(s.try_get(&key(i)).unwrap().iter().all(|&b| b == i as u8));
     }

@@ -109,6 +109,8 @@ class StoreCollector(Collector):
         yield gets
         yield counter("shmstore_deletes", "Objects deleted.", st["deletes"])
         yield counter("shmstore_evictions", "Objects evicted to make room.", st["evictions"])
+        yield counter("shmstore_evicted_bytes", "Bytes of objects evicted to make room.",
+                      st["bytes_evicted"], "bytes")
         yield counter(
             "shmstore_full_events",
             "Allocations refused because the store was full.",

@@ -906,7 +906,7 @@ def _get_torch_item(store, mm_hash: str, timeout: float) -> tuple[dict[str, Any]
     return out, mv.nbytes
 
 
-def wait_for_huge_pages(store, limit_s: float = 60.0, stalled_s: float = 1.0) -> bool:
+def wait_for_huge_pages(store, limit_s: float = 60.0, stalled_s: float = 5.0) -> bool:
     """Waits while the store's creator rebuilds its heap as 2 MiB pages (the default on
     Linux 6.1 and later: docs/design.md, "Huge pages"): until the whole heap is, until the
     count stops growing for ``stalled_s`` (the kernel cannot, or the creator is gone), or

@@ -836,6 +836,7 @@ impl PyStore {
         d.set_item("recovered_clients", st.recovered_clients)?;
         d.set_item("reclaimed_bytes", st.reclaimed_bytes)?;
         d.set_item("evictions", st.evictions)?;
+        d.set_item("bytes_evicted", st.bytes_evicted)?;
         d.set_item("table_slots", st.table_slots)?;
         d.set_item("max_clients", st.max_clients)?;
         d.set_item("page_size", st.page_size)?;

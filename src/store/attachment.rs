@@ -174,6 +174,9 @@ pub(super) struct Inner {
     collapse_generation: AtomicU64,
     /// Process-local: 1 once [`Inner::collapse_metadata`] ran.
     metadata_collapsed: AtomicU64,
+    /// Process-local: heap chunks the kernel failed to rebuild for a reason that may pass
+    /// (a page in use for a moment, no free 2 MiB of memory just then), to offer again.
+    collapse_retry: std::sync::Mutex<Vec<u64>>,
     /// The background populate thread: its stop flag, handle and fork generation.
     #[allow(clippy::type_complexity)]
     populator: std::sync::Mutex<Option<(Arc<AtomicU64>, std::thread::JoinHandle<()>, u64)>>,
@@ -201,6 +204,13 @@ const POPULATE_CHUNK: u64 = 2 << 20;
 const POPULATE_PIECE: u64 = 256 << 10;
 /// Chunks in a row the kernel may fail to rebuild before the creator stops asking.
 const GIVE_UP_AFTER: u64 = 8;
+/// The pauses before each round of offering the chunks the kernel failed to rebuild
+/// again ([`Inner::retry_collapses`]).
+const RETRY_PAUSES: [Duration; 3] = [
+    Duration::from_millis(20),
+    Duration::from_millis(200),
+    Duration::from_millis(1000),
+];
 /// Heap bytes the creator populates before `create` returns (the rest in background):
 /// room for a 64 MiB object with its header, which spills one page past 64 MiB (without
 /// the extra chunk, a first 64 MiB put zeroed that chunk's 2 MiB itself).
@@ -346,6 +356,7 @@ impl Inner {
             collapse_from: AtomicU64::new(0),
             collapse_generation: AtomicU64::new(0),
             metadata_collapsed: AtomicU64::new(0),
+            collapse_retry: std::sync::Mutex::new(Vec::new()),
             populator: std::sync::Mutex::new(None),
             // SAFETY: heap_offset + heap_size <= total (checked above).
             heap: unsafe { base.add(sb.heap_offset as usize) },
@@ -653,6 +664,7 @@ impl Inner {
                 }
                 // The metadata after the heap: every operation reads some of it, and
                 // waits while the kernel copies a chunk it reads.
+                inner.retry_collapses(|| flag.load(Ordering::Relaxed) != 0);
                 inner.collapse_metadata(|| flag.load(Ordering::Relaxed) != 0);
             });
         if let Ok(handle) = spawned {
@@ -711,6 +723,7 @@ impl Inner {
                 self.claim_chunk(self.rebuild_order(i));
             }
         }
+        self.retry_collapses(|| false);
         self.collapse_metadata(|| false);
     }
 
@@ -751,8 +764,58 @@ impl Inner {
             }
             Err(e) => {
                 self.collapse_failed(&e);
+                if self.may_collapse() {
+                    self.collapse_retry
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(off);
+                }
                 false
             }
+        }
+    }
+
+    /// Offers the heap chunks the kernel failed to rebuild once more, in up to
+    /// [`RETRY_PAUSES`] rounds with a pause before each (its failures are often
+    /// transient: a page another thread holds for a moment, memory being compacted).
+    /// Stops early when `stop` says so or the rebuild was given up.
+    pub(super) fn retry_collapses(&self, stop: impl Fn() -> bool) {
+        for pause in RETRY_PAUSES {
+            let chunks = std::mem::take(
+                &mut *self
+                    .collapse_retry
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()),
+            );
+            if chunks.is_empty() {
+                return;
+            }
+            std::thread::sleep(pause);
+            let mut failed = Vec::new();
+            for off in chunks {
+                if stop() || !self.may_collapse() {
+                    return;
+                }
+                match self.map.collapse(
+                    (self.sb.heap_offset + off) as usize,
+                    POPULATE_CHUNK as usize,
+                ) {
+                    Ok(()) => {
+                        self.globals
+                            .huge_bytes
+                            .fetch_add(POPULATE_CHUNK, Ordering::Relaxed);
+                        self.collapse.store(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        self.collapse_failed(&e);
+                        failed.push(off);
+                    }
+                }
+            }
+            self.collapse_retry
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(failed);
         }
     }
 
@@ -1014,7 +1077,7 @@ impl<'a> Actor<'a> {
                 &alloc,
                 &inner.page_owners(),
                 need,
-                &self.header().counters.evicted,
+                &self.header().counters,
             )?;
         }
         if let Some(b) = got {

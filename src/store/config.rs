@@ -259,6 +259,10 @@ pub struct Stats {
     pub leaked_blocks_freed: u64,
     /// Objects evicted to make room since the store was created.
     pub evictions: u64,
+    /// Payload bytes of those objects: compared with
+    /// [`bytes_created`](Self::bytes_created), how much of what was written eviction
+    /// took back (a cache too small for its working set evicts most of it).
+    pub bytes_evicted: u64,
     /// Object table slots.
     pub table_slots: u64,
     /// Whether the store is on transparent huge pages: it lives in a tmpfs mounted with

@@ -21,7 +21,7 @@ impl Store {
     pub fn stats(&self) -> Stats {
         let inner = &self.inner;
         let census = inner.globals.census(inner.client_headers());
-        let [inserted, _, _, deleted, _, _, _, payload_in, hit, miss, waited, full, evicted, _] =
+        let [inserted, _, _, deleted, _, _, _, payload_in, hit, miss, waited, full, evicted, evicted_bytes, _] =
             census.sums;
         let capacity = inner.sb.heap_size;
         let huge_page_bytes = inner
@@ -41,6 +41,7 @@ impl Store {
             draining: census.draining,
             table_slots: inner.sb.table_slots,
             evictions: evicted,
+            bytes_evicted: evicted_bytes,
             huge_pages: inner.map.huge_pages() || huge_page_bytes > 0,
             page_size: if inner.map.page_size() == PAGE && rebuilt_whole {
                 HUGE_PAGE

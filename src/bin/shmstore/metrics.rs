@@ -139,6 +139,13 @@ pub fn exposition(store: &Store, name: &str) -> Result<String, String> {
     );
     counter(
         &mut reg,
+        "evicted",
+        "Bytes of objects evicted to make room",
+        bytes.clone(),
+        st.bytes_evicted,
+    );
+    counter(
+        &mut reg,
         "full_events",
         "Allocations refused because the store was full",
         None,

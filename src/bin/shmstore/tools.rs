@@ -71,6 +71,7 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
             bytes_reclaimed: st.reclaimed_bytes,
             sweep_pending: st.sweep_pending,
             evictions: st.evictions,
+            bytes_evicted: st.bytes_evicted,
             table_slots: st.table_slots,
             page_size: st.page_size,
             huge_pages: st.huge_pages,
@@ -130,7 +131,10 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
             }
             .to_string(),
         ),
-        ("evictions", st.evictions.to_string()),
+        (
+            "evictions",
+            format!("{} objects, {}", st.evictions, human(st.bytes_evicted)),
+        ),
         ("table slots", st.table_slots.to_string()),
         ("client slots", st.max_clients.to_string()),
         (
@@ -341,6 +345,7 @@ struct StatJson {
     bytes_reclaimed: u64,
     sweep_pending: bool,
     evictions: u64,
+    bytes_evicted: u64,
     table_slots: u64,
     page_size: u64,
     huge_pages: bool,
