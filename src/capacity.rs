@@ -198,9 +198,10 @@ impl PageOwners<'_> {
 /// not go on evicting cold objects all over the heap until two of their holes happen to
 /// touch (a 12 MiB put into a store full of 75 KiB items took 6,633 of 6,830 of them that
 /// way): it widens the victim's hole instead, evicting the objects next to it by address
-/// until the hole fits the request ([`widen`]). Those neighbours go whether or not they
-/// were used lately, which is the price of evicting about `need` bytes rather than the
-/// whole store.
+/// until the hole fits the request ([`widen`]). Victims in slabs, which widening cannot
+/// start from, lead once per request to a scan for the cheapest window
+/// ([`evict_window`]). Those neighbours go whether or not they were used lately, which is
+/// the price of evicting about `need` bytes rather than the whole store.
 pub(crate) fn evict_until_fits(
     globals: &Globals,
     table: &Table<'_>,
