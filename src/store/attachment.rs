@@ -751,17 +751,8 @@ impl Inner {
         if off + POPULATE_CHUNK > self.sb.heap_size || !self.may_collapse() {
             return false;
         }
-        match self.map.collapse(
-            (self.sb.heap_offset + off) as usize,
-            POPULATE_CHUNK as usize,
-        ) {
-            Ok(()) => {
-                self.globals
-                    .huge_bytes
-                    .fetch_add(POPULATE_CHUNK, Ordering::Relaxed);
-                self.collapse.store(1, Ordering::Relaxed);
-                true
-            }
+        match self.collapse_heap_chunk(off) {
+            Ok(()) => true,
             Err(e) => {
                 self.collapse_failed(&e);
                 if self.may_collapse() {
@@ -796,20 +787,9 @@ impl Inner {
                 if stop() || !self.may_collapse() {
                     return;
                 }
-                match self.map.collapse(
-                    (self.sb.heap_offset + off) as usize,
-                    POPULATE_CHUNK as usize,
-                ) {
-                    Ok(()) => {
-                        self.globals
-                            .huge_bytes
-                            .fetch_add(POPULATE_CHUNK, Ordering::Relaxed);
-                        self.collapse.store(1, Ordering::Relaxed);
-                    }
-                    Err(e) => {
-                        self.collapse_failed(&e);
-                        failed.push(off);
-                    }
+                if let Err(e) = self.collapse_heap_chunk(off) {
+                    self.collapse_failed(&e);
+                    failed.push(off);
                 }
             }
             self.collapse_retry
@@ -817,6 +797,21 @@ impl Inner {
                 .unwrap_or_else(|e| e.into_inner())
                 .extend(failed);
         }
+    }
+
+    /// Asks the kernel to rebuild the heap chunk at `off` (bytes from the heap's start) as
+    /// one 2 MiB page. On success counts it in `Stats::huge_page_bytes` and ends the run
+    /// of failures [`Inner::collapse_failed`] counts.
+    fn collapse_heap_chunk(&self, off: u64) -> std::io::Result<()> {
+        self.map.collapse(
+            (self.sb.heap_offset + off) as usize,
+            POPULATE_CHUNK as usize,
+        )?;
+        self.globals
+            .huge_bytes
+            .fetch_add(POPULATE_CHUNK, Ordering::Relaxed);
+        self.collapse.store(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Whether this process still rebuilds pages (see [`Inner::collapse_chunk`]).
