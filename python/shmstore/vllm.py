@@ -65,7 +65,6 @@ import logging
 import os
 import sys
 import threading
-import time
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -90,7 +89,8 @@ from vllm.multimodal.inputs import (
 )
 from vllm.utils.cache import CacheInfo
 
-from . import _native
+from . import _native, cuda
+from .cuda import wait_for_huge_pages
 from .items import put_described, torch_spec
 
 logger = logging.getLogger("shmstore.vllm")
@@ -906,25 +906,6 @@ def _get_torch_item(store, mm_hash: str, timeout: float) -> tuple[dict[str, Any]
     return out, mv.nbytes
 
 
-def wait_for_huge_pages(store, limit_s: float = 60.0, stalled_s: float = 5.0) -> bool:
-    """Waits while the store's creator rebuilds its heap as 2 MiB pages (the default on
-    Linux 6.1 and later: docs/design.md, "Huge pages"): until the whole heap is, until the
-    count stops growing for ``stalled_s`` (the kernel cannot, or the creator is gone), or
-    for ``limit_s`` at most. Returns whether the heap is on 2 MiB pages."""
-    start = last_change = time.monotonic()
-    last = -1
-    while True:
-        st = store.stats()
-        if st["page_size"] > 4096:
-            return True
-        now = time.monotonic()
-        if st["huge_page_bytes"] != last:
-            last, last_change = st["huge_page_bytes"], now
-        elif now - last_change >= stalled_s or now - start >= limit_s:
-            return False
-        time.sleep(0.02)
-
-
 def register_with_cuda_later(receiver) -> None:
     """Registers the receiver's store with CUDA on a background thread, per
     ``SHMSTORE_VLLM_CUDA_REGISTER``, after the store's pages are rebuilt as 2 MiB pages:
@@ -946,7 +927,7 @@ def _cuda_wanted() -> bool:
     mode = os.environ.get("SHMSTORE_VLLM_CUDA_REGISTER", "auto")
     if mode == "0":
         return False
-    if not torch.cuda.is_available():
+    if not cuda.gpu_visible():
         if mode == "1":
             logger.warning("shmstore: SHMSTORE_VLLM_CUDA_REGISTER=1 but no GPU is visible; skipped")
         else:
@@ -956,25 +937,18 @@ def _cuda_wanted() -> bool:
 
 
 def register_with_cuda(store) -> bool:
-    """Registers the store's heap with CUDA (``cudaHostRegister``) in this process, per
-    ``SHMSTORE_VLLM_CUDA_REGISTER`` (``auto``: when a GPU is there). Returns whether it
-    did; never raises for a machine without a GPU."""
+    """Registers the store's heap with CUDA in this process (``shmstore.cuda.register``),
+    per ``SHMSTORE_VLLM_CUDA_REGISTER`` (``auto``: when a GPU is there). Returns whether it
+    did; never raises: a worker that cannot register copies staged, as without."""
     if not _cuda_wanted():
         return False
-    addr, length = store.heap_region
-    # cudaHostRegisterPortable | cudaHostRegisterReadOnly where the mapping is read-only.
-    flags = 1 | (8 if os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0" else 0)
+    read_only = os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0"
     try:
-        rc = torch.cuda.cudart().cudaHostRegister(addr, length, flags)
+        cuda.register(store, read_only=read_only)
     except Exception as e:  # noqa: BLE001 - any failure means "not registered"
-        logger.warning("shmstore: cudaHostRegister of %.1f GiB failed (%s)", length / (1 << 30), e)
+        logger.warning("shmstore: %s (see docs/vllm.md, \"GPU copies\")", e)
         return False
-    ok = int(getattr(rc, "value", rc)) == 0
-    if not ok:
-        logger.warning(
-            "shmstore: cudaHostRegister of %.1f GiB returned %s (pinned-memory limit? "
-            "see docs/vllm.md); copies to the GPU stay staged", length / (1 << 30), rc)
-    return ok
+    return True
 
 
 # ----- activation --------------------------------------------------------------------
