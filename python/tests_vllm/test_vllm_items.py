@@ -17,12 +17,13 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 import shmstore
 from shmstore import vllm as sv
+from shmstore.vllm.receiver import _get_torch_item
 
 
 def roundtrip(store, item, key="k"):
     arrays, meta = sv.encode_item(item)
     shmstore.put_item(store, key, arrays, meta)
-    arrays, _ = sv._get_torch_item(store, key, 1.0)
+    arrays, _ = _get_torch_item(store, key, 1.0)
     return sv.decode_item(arrays)
 
 

@@ -90,7 +90,7 @@ def test_multi_node_setups_without_ray_keep_vllms_cache_unless_forced(store_env,
     # (python/tests_ray runs them); without Ray, vLLM's own cache.
     c.parallel_config.distributed_executor_backend = "ray"
     assert sv.applies(c) == (importlib.util.find_spec("ray") is not None)
-    monkeypatch.setattr(sv.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert not sv.applies(c)
 
 

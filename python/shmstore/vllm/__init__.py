@@ -1,0 +1,108 @@
+"""shmstore as vLLM's shared-memory multimodal cache (vLLM 0.34).
+
+Turn it on with ``--mm-processor-cache-type shm`` and ``SHMSTORE_VLLM=1`` in the
+environment of ``vllm serve`` (the package registers a ``vllm.general_plugins`` entry
+point; see docs/vllm.md). vLLM's three cache factories then return:
+
+* ``ShmstoreSenderCache`` in every front-end process (P0): it puts each processed
+  ``MultiModalKwargsItem`` once into one store per vLLM instance, as one shmstore item
+  (every tensor copied once, straight into shared memory; no pickle, no msgpack), and
+  sends the workers only a marker: the ``mm_hash`` the request already carries is the key.
+* ``ShmstoreReceiverCache`` in every worker (P1): it maps the item back as the same
+  ``MultiModalKwargsItem`` with torch tensors over the shared bytes (zero-copy, pinned
+  while they live), or raises vLLM's ``MultiModalCacheMissError`` with every missing hash
+  of the request, so that vLLM's retry path resends the data.
+* no cache in the engine-core process (as for vLLM's own ``shm`` cache), except with
+  Ray's executor on several nodes: there ``ShmstorePrefetcher`` starts moving each
+  request's new items to the other nodes' stores as the request arrives.
+
+It also takes the place of vLLM's ``processor_only`` fallback with data parallelism or
+several API servers: every front-end writes the one store; the first put of an item wins.
+
+Settings (environment):
+
+* ``SHMSTORE_VLLM=1``: use shmstore where vLLM would use its ``shm`` cache (``force``:
+  also where it looks multi-node, see below).
+* ``SHMSTORE_VLLM_STORE``: the store's name in its directory. Default
+  ``shmstore-vllm-<launcher pid>-<random>``, chosen by the first process of the instance
+  and inherited by the others; set it yourself to share one store between instances.
+* ``SHMSTORE_VLLM_DIR``: the store's directory (default ``/dev/shm``). On kernels before
+  6.1, point it at a tmpfs mounted with ``huge=within_size`` for transparent huge pages,
+  nothing reserved (docs/vllm.md, "Huge pages").
+* ``SHMSTORE_VLLM_HUGE_PAGES=auto|off``: ``auto`` (default) has the store's creator
+  rebuild its heap as 2 MiB pages in the background where the kernel allows it (Linux
+  6.1+): each worker maps a 64 MiB item with 32 page-table entries instead of 16,384,
+  so its first read runs at warm speed, and page tables per process shrink 128x.
+  ``off`` keeps 4 KiB pages (no rebuild work in the creating process).
+* ``SHMSTORE_VLLM_READ_ONLY=0``: workers attach read-write (default: read-only, so a
+  write to a cached tensor faults instead of changing it for everyone).
+* ``SHMSTORE_VLLM_CUDA_REGISTER=auto|1|0``: register the store's heap with CUDA in each
+  worker (``cudaHostRegister``), so ``.to("cuda", non_blocking=True)`` from a view is a
+  direct DMA instead of a staged copy. ``auto`` (default) registers when a GPU is there.
+* ``SHMSTORE_VLLM_SOURCE_NODE``: with Ray's executor (``--distributed-executor-backend
+  ray``, several nodes), the Ray node id of the front-end's machine (default: Ray's head
+  node, where ``vllm serve`` runs). Workers on other nodes read items from their node's
+  store, which fetches each item once from the front-end's (``shmstore.ray``,
+  docs/multinode.md).
+* ``SHMSTORE_VLLM_PREFETCH=0``: with Ray's executor on several nodes, the engine core
+  does not prefetch items to the other nodes (default: it does); workers then fetch on
+  their first read.
+* ``SHMSTORE_VLLM_WORKER_KEEP``: the fraction of the store's bytes the workers keep
+  mapped as ready items for cache hits (default ``0.125``, divided among data-parallel
+  ranks; ``0`` turns it off). A hit on a kept item costs the worker a dictionary lookup,
+  as in vLLM's ``lru`` receiver, instead of a lookup in the store and new tensor views;
+  the kept items stay pinned (not evictable) until the worker drops them, least recently
+  used first.
+
+The package, one module per concept: ``item_format`` (an item as one shmstore item, and
+the marker), ``instance`` (the store of one vLLM instance), ``sender`` (P0),
+``receiver`` (P1, with CUDA registration), ``nodes`` (Ray, several machines), ``plugin``
+(the entry point and when it applies).
+"""
+
+from .instance import open_store, remove_stale_stores, store_dir, store_name, store_path
+from .item_format import (
+    FORMAT,
+    MARKER,
+    Unsupported,
+    decode_item,
+    describe_item,
+    encode_item,
+    is_marker,
+    marker_item,
+)
+from .nodes import ShmstorePrefetcher, engine_prefetcher
+from .plugin import applies, enabled, register
+from .receiver import (
+    ShmstoreReceiverCache,
+    register_with_cuda,
+    register_with_cuda_later,
+    wait_for_huge_pages,
+)
+from .sender import ShmstoreSenderCache
+
+__all__ = [
+    "FORMAT",
+    "MARKER",
+    "ShmstorePrefetcher",
+    "ShmstoreReceiverCache",
+    "ShmstoreSenderCache",
+    "Unsupported",
+    "applies",
+    "decode_item",
+    "describe_item",
+    "enabled",
+    "encode_item",
+    "engine_prefetcher",
+    "is_marker",
+    "marker_item",
+    "open_store",
+    "register",
+    "register_with_cuda",
+    "register_with_cuda_later",
+    "remove_stale_stores",
+    "store_dir",
+    "store_name",
+    "store_path",
+    "wait_for_huge_pages",
+]

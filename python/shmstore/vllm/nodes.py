@@ -1,0 +1,138 @@
+"""Workers on other machines, with vLLM's Ray executor: each node's store (through
+``shmstore.ray``) and the engine core's ``ShmstorePrefetcher``, which starts moving a
+request's new items to the other nodes as the request arrives.
+
+Invariant: a prefetch is only ever an optimization; a worker's own read fetches what its
+node lacks.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from typing import Any
+
+from typing_extensions import override
+
+from vllm.multimodal.cache.base import BaseMultiModalReceiverCache
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem
+
+from .instance import _capacity, _log_once, store_name
+from .item_format import is_marker
+
+def _ray_backend(vllm_config) -> bool:
+    pc = getattr(vllm_config, "parallel_config", None)
+    return getattr(pc, "distributed_executor_backend", None) == "ray"
+
+
+def _node_stores(vllm_config):
+    """The instance's ``shmstore.ray.NodeStores`` in a process where Ray's executor
+    started Ray (the engine core, the workers), else None."""
+    if not _ray_backend(vllm_config) or "ray" not in sys.modules:
+        return None
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from ..ray import NodeStores
+
+    capacity = _capacity(vllm_config)
+    return NodeStores(
+        store_name(),
+        capacity,
+        source_node=os.environ.get("SHMSTORE_VLLM_SOURCE_NODE") or None,
+        max_objects=max(1 << 16, capacity >> 16),
+        read_only=os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0",
+    )
+
+
+def _remote_node_stores(vllm_config):
+    """``shmstore.ray.NodeStores`` for a worker that Ray's executor runs on a node other
+    than the front-end's, else None."""
+    nodes = _node_stores(vllm_config)
+    return None if nodes is None or nodes.this_node() == nodes.source() else nodes
+
+
+class ShmstorePrefetcher(BaseMultiModalReceiverCache):
+    """The engine-core cache with Ray's executor on several nodes. It passes every
+    feature on unchanged; for each item it has not seen yet, it asks the bridges of the
+    other nodes to fetch it now, as the request arrives (``NodeStores.prefetch``: one
+    call per node for all of a request's new items, not waited for).
+
+    vLLM's workers read a request's items when the request is scheduled, after the step
+    running at the time: by then each item is in the worker's node store, or on its way
+    (the worker then waits for its seal instead of asking its bridge), so a remote
+    worker's first read costs about what a hit does (docs/multinode.md has the figures).
+    A late or failed prefetch costs nothing but what it would have saved: the workers'
+    own reads fetch what their node lacks, as without it. Items it has seen are
+    remembered (the last ``remember``), so that a cache hit in the front-end, which
+    sends the same marker again, costs no call.
+    """
+
+    def __init__(self, nodes: Any, *, remember: int = 1 << 16) -> None:
+        super().__init__()
+        self.nodes = nodes
+        self.remember = remember
+        self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    @override
+    def get_and_update_features(
+        self, mm_features: list[MultiModalFeatureSpec]
+    ) -> list[MultiModalFeatureSpec]:
+        keys = []
+        for f in mm_features:
+            if f.data is None or not is_marker(f.data):
+                continue  # covered by prefix caching, or sent inline
+            key = f.mm_hash or f.identifier
+            if key in self.seen:
+                self.seen.move_to_end(key)
+                continue
+            self.seen[key] = None
+            keys.append(key)
+        while len(self.seen) > self.remember:
+            self.seen.popitem(last=False)
+        if keys:
+            try:
+                self.nodes.prefetch(keys)
+            except Exception as e:  # noqa: BLE001 - an optimization: workers fetch anyway
+                _log_once("prefetch", f"shmstore: prefetch failed ({e}); workers fetch items themselves")
+        return mm_features
+
+    @override
+    def get_and_update_item(
+        self, mm_item: MultiModalKwargsItem | None, mm_hash: str
+    ) -> MultiModalKwargsItem:
+        assert mm_item is not None, f"Expected an item for {mm_hash=}"
+        return mm_item  # unchanged: the workers read it
+
+    @override
+    def touch_receiver_cache_item(
+        self, mm_hash: str, mm_item: MultiModalKwargsItem | None = None
+    ) -> None:
+        pass
+
+    @override
+    def clear_cache(self) -> None:
+        self.seen.clear()
+
+
+def engine_prefetcher(vllm_config) -> ShmstorePrefetcher | None:
+    """The engine core's prefetcher when Ray's executor spans several nodes (Ray is up
+    in the engine core: the executor started it), unless ``SHMSTORE_VLLM_PREFETCH=0``;
+    None otherwise (vLLM's own ``shm`` cache has no engine-core cache either)."""
+    if os.environ.get("SHMSTORE_VLLM_PREFETCH", "1") == "0":
+        return None
+    nodes = _node_stores(vllm_config)
+    if nodes is None:
+        return None
+    import ray
+
+    if sum(1 for n in ray.nodes() if n["Alive"]) < 2:
+        return None
+    _log_once(
+        "prefetch",
+        "shmstore: the engine core prefetches each request's items into the stores of "
+        "the other nodes as the request arrives (SHMSTORE_VLLM_PREFETCH=0 turns it off)",
+    )
+    return ShmstorePrefetcher(nodes)

@@ -1,0 +1,112 @@
+"""Activation: the ``vllm.general_plugins`` entry point, which makes vLLM's three cache
+factories return shmstore's caches when ``SHMSTORE_VLLM`` is set and the instance uses
+the ``shm`` cache type, and the checks of when that applies.
+
+Invariant: without the switch, or with another cache type, vLLM is unchanged; loading
+the plugin again in a process changes nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from .instance import _log_once, remove_stale_stores, store_name
+from .nodes import _ray_backend, engine_prefetcher
+from .receiver import ShmstoreReceiverCache
+from .sender import ShmstoreSenderCache
+
+def enabled() -> bool:
+    return os.environ.get("SHMSTORE_VLLM", "").lower() in ("1", "true", "yes", "force")
+
+
+def applies(vllm_config) -> bool:
+    """Whether shmstore takes this vLLM instance's multimodal cache: a multimodal model,
+    a cache size above 0, ``mm_processor_cache_type == "shm"``, ``SHMSTORE_VLLM`` set,
+    and every worker on this machine (unless ``SHMSTORE_VLLM=force``)."""
+    if not enabled():
+        return False
+    model_config = vllm_config.model_config
+    if model_config is None or not model_config.supports_multimodal_inputs:
+        return False
+    mm_config = model_config.get_multimodal_config()
+    if mm_config.mm_processor_cache_gb <= 0 or mm_config.mm_processor_cache_type != "shm":
+        return False
+    if os.environ.get("SHMSTORE_VLLM", "").lower() == "force":
+        return True
+    pc = vllm_config.parallel_config
+    if _ray_backend(vllm_config):
+        if importlib.util.find_spec("ray") is not None:
+            _log_once(
+                "ray",
+                "shmstore: Ray executor: workers on other nodes read items through their "
+                "node's store, fetched once per node (shmstore.ray)",
+            )
+            return True
+        _log_once("ray", "shmstore: Ray executor but ray is not importable; using vLLM's own cache")
+        return False
+    multi_node = getattr(pc, "nnodes", 1) > 1 or getattr(
+        pc, "data_parallel_size_local", 1
+    ) < getattr(pc, "data_parallel_size", 1)
+    if multi_node:
+        _log_once(
+            "multinode",
+            "shmstore: workers may run on other machines (nnodes or remote data-parallel "
+            "ranks without Ray); using vLLM's own cache. SHMSTORE_VLLM=force overrides.",
+        )
+        return False
+    return True
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: with ``SHMSTORE_VLLM`` set, makes vLLM's
+    cache factories return shmstore's caches. Safe to call any number of times, in any
+    process (vLLM loads plugins in every one)."""
+    if not enabled():
+        return
+    import vllm.multimodal.cache as pkg
+    import vllm.multimodal.cache.factories as factories
+
+    if getattr(factories, "_shmstore_patched", False):
+        return
+    if "SHMSTORE_VLLM_STORE" not in os.environ:
+        # The first process of the instance (the launcher): name the store for every
+        # process it starts, and clean up after instances that crashed.
+        store_name()
+        remove_stale_stores()
+    orig_processor = factories.processor_cache_from_config
+    orig_engine = factories.engine_receiver_cache_from_config
+    orig_worker = factories.worker_receiver_cache_from_config
+
+    def processor_cache_from_config(vllm_config):
+        if applies(vllm_config):
+            return ShmstoreSenderCache(vllm_config)
+        return orig_processor(vllm_config)
+
+    def engine_receiver_cache_from_config(vllm_config):
+        if applies(vllm_config):
+            return engine_prefetcher(vllm_config)
+        return orig_engine(vllm_config)
+
+    def worker_receiver_cache_from_config(vllm_config, shared_worker_lock=None):
+        if applies(vllm_config):
+            return ShmstoreReceiverCache(vllm_config, shared_worker_lock)
+        return orig_worker(vllm_config, shared_worker_lock)
+
+    patched = {
+        "processor_cache_from_config": processor_cache_from_config,
+        "engine_receiver_cache_from_config": engine_receiver_cache_from_config,
+        "worker_receiver_cache_from_config": worker_receiver_cache_from_config,
+    }
+    # The factories' module, the package that re-exports them, and every module that
+    # imported them by name already (the others import the patched names later).
+    for mod in (factories, pkg, *(sys.modules.get(m) for m in (
+        "vllm.renderers.base", "vllm.v1.engine.core", "vllm.v1.worker.worker_base"))):
+        if mod is None:
+            continue
+        for name, fn in patched.items():
+            if hasattr(mod, name):
+                setattr(mod, name, fn)
+    factories._shmstore_patched = True
+    _log_once("on", f"shmstore: vLLM multimodal cache plugin active (store {store_name()})")

@@ -1,0 +1,209 @@
+"""P1, the workers: ``ShmstoreReceiverCache``, which turns markers back into the stored
+items as zero-copy torch tensors, and registers the store with CUDA when a GPU is there.
+
+Invariants: a returned tensor pins its object while it lives; a missing item raises
+vLLM's ``MultiModalCacheMissError`` (vLLM resends), never a wrong item; the items kept
+for hits stay within their byte budget.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from vllm.multimodal.cache.base import BaseMultiModalReceiverCache, MultiModalCacheMissError
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem
+
+from .. import _native, cuda
+from ..cuda import wait_for_huge_pages
+from .instance import open_store, remove_stale_stores
+from .item_format import _ITEMSIZE, decode_item, is_marker
+from .nodes import _remote_node_stores
+
+logger = logging.getLogger("shmstore.vllm")  # one logger for the whole plugin
+
+class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
+    """The worker (P1) cache: markers become the stored items, zero-copy.
+
+    The returned tensors are views of the shared object and keep it pinned while they
+    live. vLLM keeps a request's ``mm_features`` until the request finishes (and the
+    encoder cache holds the encoder's outputs, not these tensors), so an item is pinned
+    by a worker while a request that uses it is running there.
+
+    The worker also keeps the items it read most recently, up to ``keep_fraction`` of the
+    store's bytes (``SHMSTORE_VLLM_WORKER_KEEP``), and answers a cache hit on one of them
+    with the same ``MultiModalKwargsItem`` (as vLLM's ``lru`` receiver does with its
+    mirrored items): no lookup, no new views. Kept items stay pinned, so the store cannot
+    evict them; the bound keeps the rest of the store evictable, and the least recently
+    used item is let go first.
+    """
+
+    def __init__(
+        self,
+        vllm_config,
+        shared_worker_lock=None,
+        *,
+        timeout: float = 10.0,
+        keep_fraction: float | None = None,
+    ) -> None:
+        super().__init__()
+        read_only = os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0"
+        #: With Ray's executor on a node other than the front-end's: this node's stores
+        #: and bridge (shmstore.ray); None otherwise.
+        self.nodes = _remote_node_stores(vllm_config)
+        if self.nodes is not None:
+            remove_stale_stores()  # left on this node by crashed instances
+            self.store = self.nodes.store()
+            logger.info(
+                "shmstore: worker on Ray node %s, not the front-end's (%s): items come "
+                "through this node's store /dev/shm/%s, fetched once per node",
+                self.nodes.this_node()[:12], self.nodes.source()[:12], self.nodes.store_name())
+        else:
+            self.store = open_store(vllm_config, read_only=read_only)
+        self.timeout = timeout
+        #: Whether this worker registered the store's heap with CUDA (set by a background
+        #: thread once the store's pages are rebuilt; see ``register_with_cuda_later``).
+        self.cuda_registered = False
+        register_with_cuda_later(self)
+        if keep_fraction is None:
+            keep_fraction = float(os.environ.get("SHMSTORE_VLLM_WORKER_KEEP", "0.125"))
+        #: Items kept ready for hits: mm_hash -> (item, its bytes), least recent first.
+        self._kept: collections.OrderedDict[str, tuple[MultiModalKwargsItem, int]] = (
+            collections.OrderedDict())
+        self._kept_bytes = 0
+        # Workers of one data-parallel rank read the same items and mostly keep the same
+        # ones; ranks read different requests: the fraction is shared among the ranks.
+        ranks = max(1, int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1))
+        self._keep_budget = int(
+            self.store.stats()["capacity"] * max(0.0, keep_fraction) / ranks)
+
+    @override
+    def get_and_update_features(
+        self, mm_features: list[MultiModalFeatureSpec]
+    ) -> list[MultiModalFeatureSpec]:
+        # data=None: prefix caching covered the item; there is nothing to read.
+        present = [f for f in mm_features if f.data is not None]
+        if self.nodes is not None:
+            from ..ray import FetchFailed, ItemsMissing
+
+            keys = [f.mm_hash or f.identifier for f in present if is_marker(f.data)]
+            try:
+                self.nodes.ensure_local(keys)  # one round trip for the whole request
+            except (ItemsMissing, FetchFailed) as e:
+                raise MultiModalCacheMissError([str(k) for k in e.keys]) from None
+        super().get_and_update_features(present)
+        return mm_features
+
+    @override
+    def get_and_update_item(
+        self, mm_item: MultiModalKwargsItem | None, mm_hash: str
+    ) -> MultiModalKwargsItem:
+        if not is_marker(mm_item):
+            assert mm_item is not None, f"Expected an item for {mm_hash=}"
+            return mm_item  # sent inline
+        kept = self._kept.get(mm_hash)
+        if kept is not None:
+            self._kept.move_to_end(mm_hash)
+            return kept[0]
+        try:
+            arrays, nbytes = _get_torch_item(self.store, mm_hash, self.timeout)
+        except (_native.NotFound, _native.CreatorDied, _native.Timeout):
+            raise MultiModalCacheMissError([mm_hash]) from None
+        item = decode_item(arrays)
+        self._keep(mm_hash, item, nbytes)
+        return item
+
+    def _keep(self, mm_hash: str, item: MultiModalKwargsItem, nbytes: int) -> None:
+        """Keeps ``item`` ready for hits if it fits the budget, letting go of the least
+        recently used kept items (and, unless vLLM still holds them, their pins)."""
+        if nbytes > self._keep_budget:
+            return
+        self._kept[mm_hash] = (item, nbytes)
+        self._kept_bytes += nbytes
+        while self._kept_bytes > self._keep_budget:
+            _, (_, n) = self._kept.popitem(last=False)
+            self._kept_bytes -= n
+
+    @override
+    def touch_receiver_cache_item(
+        self, mm_hash: str, mm_item: MultiModalKwargsItem | None = None
+    ) -> None:
+        # Lookups are by key; there is no handle to validate. An item vLLM touches (its
+        # request hit the prefix cache) is recent again.
+        if mm_hash in self._kept:
+            self._kept.move_to_end(mm_hash)
+
+    @override
+    def clear_cache(self) -> None:
+        # The front-end's clear_cache empties the one store; the kept items' pins go.
+        self._kept.clear()
+        self._kept_bytes = 0
+
+
+def _get_torch_item(store, mm_hash: str, timeout: float) -> tuple[dict[str, Any], int]:
+    """The item's tensors (views of the shared object, pinning it) and the object's
+    size. Waits only if the item is being created (another front-end is writing it); an
+    absent item is a miss at once."""
+    mv = store.get(mm_hash, timeout, wait_if_absent=False)
+    arrays, meta = _native.decode_item(mv)
+    out: dict[str, Any] = {}
+    for name, dt, shape, offset, nbytes in arrays:
+        tdt = getattr(torch, dt)
+        if nbytes == 0:
+            out[name] = torch.empty(shape, dtype=tdt)
+            continue
+        out[name] = torch.frombuffer(mv, dtype=tdt, count=nbytes // _ITEMSIZE[dt], offset=offset).view(shape)
+    if meta:
+        out["__meta__"] = meta
+    return out, mv.nbytes
+
+
+def register_with_cuda_later(receiver) -> None:
+    """Registers the receiver's store with CUDA on a background thread, per
+    ``SHMSTORE_VLLM_CUDA_REGISTER``, after the store's pages are rebuilt as 2 MiB pages:
+    registration pins every page, and the kernel cannot rebuild a pinned page, so a
+    worker that registered first would leave the store on 4 KiB pages for every process.
+    Until it is done, copies to the GPU are staged (correct, slower); on a machine
+    without a GPU nothing happens."""
+    if not _cuda_wanted():
+        return
+
+    def run() -> None:
+        wait_for_huge_pages(receiver.store)
+        receiver.cuda_registered = register_with_cuda(receiver.store)
+
+    threading.Thread(target=run, name="shmstore-cuda-register", daemon=True).start()
+
+
+def _cuda_wanted() -> bool:
+    mode = os.environ.get("SHMSTORE_VLLM_CUDA_REGISTER", "auto")
+    if mode == "0":
+        return False
+    if not cuda.gpu_visible():
+        if mode == "1":
+            logger.warning("shmstore: SHMSTORE_VLLM_CUDA_REGISTER=1 but no GPU is visible; skipped")
+        else:
+            logger.debug("shmstore: no GPU visible; store not registered with CUDA")
+        return False
+    return True
+
+
+def register_with_cuda(store) -> bool:
+    """Registers the store's heap with CUDA in this process (``shmstore.cuda.register``),
+    per ``SHMSTORE_VLLM_CUDA_REGISTER`` (``auto``: when a GPU is there). Returns whether it
+    did; never raises: a worker that cannot register copies staged, as without."""
+    if not _cuda_wanted():
+        return False
+    read_only = os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0"
+    try:
+        cuda.register(store, read_only=read_only)
+    except Exception as e:  # noqa: BLE001 - any failure means "not registered"
+        logger.warning("shmstore: %s (see docs/vllm.md, \"GPU copies\")", e)
+        return False
+    return True

@@ -1,0 +1,244 @@
+"""P0, the front-end: ``ShmstoreSenderCache``, which puts each item into the store once
+and sends the workers a marker.
+
+Invariants: an item reported cached, or sent, is pinned until the request is merged
+(vLLM's touch protocol) and then while it is in the window of recent sends; an item
+that cannot be stored goes inline, never lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from typing_extensions import override
+
+from vllm.multimodal.cache.base import (
+    BaseMultiModalProcessorCache,
+    MultiModalCacheMissError,
+    MultiModalProcessorCacheInItem,
+    MultiModalProcessorCacheOutItem,
+)
+from vllm.multimodal.inputs import MultiModalKwargsItem
+from vllm.utils.cache import CacheInfo
+
+from .. import _native
+from ..items import put_described
+from .instance import _capacity, _export_metrics, open_store, store_path
+from .item_format import _MiB, Unsupported, describe_item, is_marker, marker_item
+from .nodes import _ray_backend
+
+logger = logging.getLogger("shmstore.vllm")  # one logger for the whole plugin
+
+#: Most sends kept pinned on their way to the workers (the byte budget usually binds).
+_MAX_INFLIGHT = 4096
+#: Prompt updates kept per front-end (items it can report cached without reprocessing).
+_MAX_UPDATES = 1 << 16
+
+
+
+class ShmstoreSenderCache(BaseMultiModalProcessorCache):
+    """The front-end (P0) cache: each item goes into the store once; only a marker
+    crosses the RPC.
+
+    Eviction is the store's CLOCK (least recently used first), never FIFO, and skips
+    pinned items. vLLM's touch protocol maps to pins: ``is_cached`` and
+    ``touch_sender_cache_item`` pin an item until ``release_sender_touches`` (the end of
+    the request's merge), and every item sent stays pinned in a window of recent sends
+    (at most ``inflight_fraction`` of the store's bytes, and always the latest send) so
+    that it is not evicted while its request is on the way to the workers. An item that is gone
+    anyway is a miss on the worker, which vLLM's retry path turns into a resend.
+
+    Prompt updates (front-end Python objects, not shareable) stay in this process: a
+    front-end runs the HF processor once for an item it has not seen, even if another
+    front-end already stored the item's tensors.
+    """
+
+    def __init__(self, vllm_config, *, inflight_fraction: float = 0.25) -> None:
+        super().__init__()
+        mm_config = vllm_config.model_config.get_multimodal_config()
+        self.store = open_store(vllm_config)  # populated in the background (Rust thread)
+        _export_metrics(self.store)
+        self.max_object_size = int(mm_config.mm_shm_cache_max_object_size_mb * _MiB)
+        self._updates: collections.OrderedDict[str, Sequence[Any]] = collections.OrderedDict()
+        self._touched: dict[str, memoryview] = {}
+        #: The window of recent sends: mm_hash -> (pin, bytes), oldest first.
+        self._inflight: collections.OrderedDict[str, tuple[memoryview, int]] = (
+            collections.OrderedDict())
+        self._inflight_bytes = 0
+        self._inflight_budget = int(_capacity(vllm_config) * inflight_fraction)
+        self._hits = 0
+        self._total = 0
+        self._last_info = CacheInfo(hits=0, total=0)
+        self._warned: set[str] = set()
+        self.inline_only = False  # set when workers turn out not to see the store
+        # With Ray's executor, workers on other nodes fetch through shmstore.ray: a miss
+        # there means the item is gone, never that they cannot see a store.
+        self.bridged = _ray_backend(vllm_config)
+
+    # -- what vLLM asks ---------------------------------------------------------------
+
+    @override
+    def is_cached_item(self, mm_hash: str) -> bool:
+        if self.inline_only or mm_hash not in self._updates:
+            return False
+        if mm_hash in self._touched:
+            return True
+        v = self._pin(mm_hash)
+        if v is None:
+            del self._updates[mm_hash]
+            return False
+        self._touched[mm_hash] = v  # protected until the request is merged
+        return True
+
+    @override
+    def touch_sender_cache_item(self, mm_hash: str) -> None:
+        if mm_hash in self._touched or mm_hash not in self._updates:
+            return
+        v = self._pin(mm_hash)
+        if v is not None:
+            self._touched[mm_hash] = v
+
+    @override
+    def release_sender_touches(self) -> None:
+        self._touched.clear()
+
+    @override
+    def get_and_update_item(
+        self,
+        mm_item: MultiModalProcessorCacheInItem,
+        mm_hash: str,
+    ) -> MultiModalProcessorCacheOutItem:
+        self._total += 1
+        if mm_item is None:
+            # vLLM found the item cached (is_cached) and skipped processing it.
+            updates = self._updates.get(mm_hash)
+            if updates is None:
+                raise MultiModalCacheMissError([mm_hash])
+            self._hits += 1
+            self._updates.move_to_end(mm_hash)
+            self._send(mm_hash, self._touched.pop(mm_hash, None))
+            return marker_item(), updates
+
+        item, updates = mm_item
+        if self.inline_only:
+            return mm_item
+        try:
+            out, meta = describe_item(item)
+            if out.nbytes > self.max_object_size:
+                raise Unsupported(
+                    "size",
+                    f"{out.nbytes / _MiB:.1f} MiB is over --mm-shm-cache-max-object-size-mb="
+                    f"{self.max_object_size // _MiB}",
+                )
+            # Pinned as it is sealed: the send below needs no second lookup.
+            pin = put_described(self.store, mm_hash, out.specs, out.tensors, meta, None, pin=True)
+        except Unsupported as e:
+            self._warn_once(e.reason, f"shmstore: an item goes inline ({e}); said once per reason")
+            return mm_item
+        except _native.AlreadyExists:
+            pin = None  # another front-end is putting (or put) it: the first put wins
+        except (_native.Full, _native.TooLarge, _native.TableFull) as e:
+            logger.debug("shmstore: item %s not cached (%s)", mm_hash, e)
+            return mm_item
+        self._updates[mm_hash] = updates
+        self._updates.move_to_end(mm_hash)
+        self._forget_sent(mm_hash)  # a pin from an earlier send may be of a deleted object
+        self._send(mm_hash, pin)
+        return marker_item(), updates
+
+    @override
+    def validate_input_item(self, mm_item: MultiModalKwargsItem, mm_hash: str) -> None:
+        if is_marker(mm_item) and not self.store.contains(mm_hash):
+            raise ValueError(f"multimodal item {mm_hash} is not in the shmstore cache")
+
+    @override
+    def invalidate(self, mm_hash: str) -> None:
+        # A worker missed the item. If the store still holds it, the worker cannot see
+        # the store (it runs on another machine): from now on, items go inline.
+        if self.store.contains(mm_hash) and not self.inline_only and not self.bridged:
+            self.inline_only = True
+            logger.warning(
+                "shmstore: a worker could not read item %s from %s although the "
+                "store holds it; workers on another machine? Sending items inline from "
+                "now on (see docs/vllm.md, multi-node).", mm_hash, store_path())
+        self._updates.pop(mm_hash, None)
+        self._touched.pop(mm_hash, None)
+        self._forget_sent(mm_hash)
+
+    @override
+    def clear_cache(self) -> None:
+        self._touched.clear()
+        self._inflight.clear()
+        self._inflight_bytes = 0
+        self._updates.clear()
+        for oid, _len, state, _pins in self.store.list():
+            if state != "sealed":
+                continue
+            try:
+                self.store.delete(oid)
+            except _native.ShmstoreError:
+                pass  # deleted by another front-end meanwhile
+        self._hits = self._total = 0
+        self._last_info = CacheInfo(hits=0, total=0)
+
+    @override
+    def make_stats(self, *, delta: bool = False) -> CacheInfo:
+        info = CacheInfo(hits=self._hits, total=self._total)
+        if delta:
+            info, self._last_info = info - self._last_info, info
+        return info
+
+    @override
+    def close(self) -> None:
+        self._touched.clear()
+        self._inflight.clear()
+        self._inflight_bytes = 0
+
+    # -- internals --------------------------------------------------------------------
+
+    def _pin(self, mm_hash: str) -> memoryview | None:
+        """A pin on the item: the one its recent send holds (a hit on an item sent
+        recently costs no lookup in the store), else a new one; None if it is gone."""
+        sent = self._inflight.get(mm_hash)
+        if sent is not None:
+            return sent[0]
+        return self.store.try_get(mm_hash)
+
+    def _forget_sent(self, mm_hash: str) -> None:
+        sent = self._inflight.pop(mm_hash, None)
+        if sent is not None:
+            self._inflight_bytes -= sent[1]
+
+    def _send(self, mm_hash: str, pin: memoryview | None) -> None:
+        """Keeps the item pinned while its request is on the way to the workers: it
+        joins (or, sent again, moves to the end of) the window of recent sends."""
+        sent = self._inflight.get(mm_hash)
+        if sent is not None:
+            self._inflight.move_to_end(mm_hash)
+            return
+        if pin is None:
+            pin = self.store.try_get(mm_hash)
+            if pin is None:
+                return  # evicted already: the worker will miss, vLLM resends
+        self._inflight[mm_hash] = (pin, pin.nbytes)
+        self._inflight_bytes += pin.nbytes
+        while len(self._inflight) > 1 and (
+            self._inflight_bytes > self._inflight_budget or len(self._inflight) > _MAX_INFLIGHT
+        ):
+            _, (_, n) = self._inflight.popitem(last=False)
+            self._inflight_bytes -= n
+        # Bounded bookkeeping: forget prompt updates of items the store no longer holds
+        # (then the oldest), once there are twice as many as the limit allows.
+        if len(self._updates) > 2 * _MAX_UPDATES:
+            for h in [h for h in self._updates if not self.store.contains(h)]:
+                del self._updates[h]
+            while len(self._updates) > _MAX_UPDATES:
+                self._updates.popitem(last=False)
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg)
