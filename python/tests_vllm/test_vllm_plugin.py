@@ -78,6 +78,68 @@ def test_without_the_switch_vllm_keeps_its_own_cache(store_env):
     assert r.stdout.strip().endswith("ShmObjectStoreSenderCache"), r.stderr[-3000:]
 
 
+def test_the_entry_point_imports_nothing_heavy_while_the_switch_is_off(store_env):
+    # vLLM loads every plugin in every process: with the switch off, the plugin costs an
+    # environment lookup, and imports neither vLLM, torch nor its own modules.
+    r = run(
+        """
+        import sys
+        import shmstore.vllm as sv
+        sv.register()
+        heavy = sorted(m for m in sys.modules
+                       if m.split(".")[0] in ("vllm", "torch") or m.startswith("shmstore.vllm."))
+        print(heavy)
+        """,
+        {**store_env, "SHMSTORE_VLLM": ""},
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-3000:])
+
+
+def test_a_vllm_without_the_hooks_keeps_its_own_cache_and_the_log_says_why(store_env):
+    r = run(
+        """
+        import logging
+        logging.basicConfig(level=logging.INFO)
+        from harness import make_config, setup_process
+        setup_process()
+        from vllm.multimodal.cache import factories
+        del factories.worker_receiver_cache_from_config      # as if a release renamed it
+        import shmstore.vllm as sv
+        sv.register()
+        assert factories.processor_cache_from_config.__module__ == factories.__name__
+        s = factories.processor_cache_from_config(make_config())
+        print(type(s).__name__)
+        s.close()
+        """,
+        store_env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("ShmObjectStoreSenderCache"), r.stdout
+    assert "cannot hook into vLLM 0.34.0" in r.stderr, r.stderr[-3000:]
+    assert "worker_receiver_cache_from_config" in r.stderr, r.stderr[-3000:]
+
+
+def test_another_vllm_release_is_hooked_with_a_warning(store_env):
+    r = run(
+        """
+        import logging
+        logging.basicConfig(level=logging.INFO)
+        from harness import make_config, setup_process
+        setup_process()
+        import shmstore.vllm as sv
+        sv.vllm_version = lambda: "0.35.1"                    # what the metadata would say
+        sv.register()
+        from vllm.multimodal.cache import factories
+        s = factories.processor_cache_from_config(make_config())
+        print(type(s).__name__)
+        s.close()
+        """,
+        store_env,
+    )
+    assert r.stdout.strip().endswith("ShmstoreSenderCache"), r.stderr[-3000:]
+    assert f"this is vLLM 0.35.1; the plugin is written and tested for vLLM {sv.TESTED_VLLM}" in r.stderr
+
+
 def test_multi_node_setups_without_ray_keep_vllms_cache_unless_forced(store_env, monkeypatch):
     c = make_config()
     c.parallel_config.nnodes = 2

@@ -57,52 +57,111 @@ Settings (environment):
 The package, one module per concept: ``item_format`` (an item as one shmstore item, and
 the marker), ``instance`` (the store of one vLLM instance), ``sender`` (P0),
 ``receiver`` (P1, with CUDA registration), ``nodes`` (Ray, several machines), ``plugin``
-(the entry point and when it applies).
+(the entry point and when it applies). Importing the package imports none of them, nor
+vLLM or torch: vLLM loads the entry point in every process, also where the switch is off.
+A name is imported from its module on first use (``shmstore.vllm.ShmstoreSenderCache``).
 """
 
-from .instance import open_store, remove_stale_stores, store_dir, store_name, store_path
-from .item_format import (
-    FORMAT,
-    MARKER,
-    Unsupported,
-    decode_item,
-    describe_item,
-    encode_item,
-    is_marker,
-    marker_item,
-)
-from .nodes import ShmstorePrefetcher, engine_prefetcher
-from .plugin import applies, enabled, register
-from .receiver import (
-    ShmstoreReceiverCache,
-    register_with_cuda,
-    register_with_cuda_later,
-    wait_for_huge_pages,
-)
-from .sender import ShmstoreSenderCache
+from __future__ import annotations
 
-__all__ = [
-    "FORMAT",
-    "MARKER",
-    "ShmstorePrefetcher",
-    "ShmstoreReceiverCache",
-    "ShmstoreSenderCache",
-    "Unsupported",
-    "applies",
-    "decode_item",
-    "describe_item",
-    "enabled",
-    "encode_item",
-    "engine_prefetcher",
-    "is_marker",
-    "marker_item",
-    "open_store",
-    "register",
-    "register_with_cuda",
-    "register_with_cuda_later",
-    "remove_stale_stores",
-    "store_dir",
-    "store_name",
-    "store_path",
-    "wait_for_huge_pages",
-]
+import importlib
+import importlib.metadata
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names below are, for type checkers
+    from .instance import open_store, remove_stale_stores, store_dir, store_name, store_path
+    from .item_format import (
+        FORMAT,
+        MARKER,
+        Unsupported,
+        decode_item,
+        describe_item,
+        encode_item,
+        is_marker,
+        marker_item,
+    )
+    from .nodes import ShmstorePrefetcher, engine_prefetcher
+    from .plugin import applies
+    from .receiver import (
+        ShmstoreReceiverCache,
+        register_with_cuda,
+        register_with_cuda_later,
+        wait_for_huge_pages,
+    )
+    from .sender import ShmstoreSenderCache
+
+#: The vLLM release this plugin is written and tested against (its internals: the cache
+#: factories, the item classes, the model runner's copies). Another release is tried,
+#: with a warning; if a hook the plugin needs is missing, vLLM keeps its own cache.
+TESTED_VLLM = "0.34.0"
+
+_LAZY = {
+    "open_store": "instance",
+    "remove_stale_stores": "instance",
+    "store_dir": "instance",
+    "store_name": "instance",
+    "store_path": "instance",
+    "FORMAT": "item_format",
+    "MARKER": "item_format",
+    "Unsupported": "item_format",
+    "decode_item": "item_format",
+    "describe_item": "item_format",
+    "encode_item": "item_format",
+    "is_marker": "item_format",
+    "marker_item": "item_format",
+    "ShmstorePrefetcher": "nodes",
+    "engine_prefetcher": "nodes",
+    "applies": "plugin",
+    "ShmstoreReceiverCache": "receiver",
+    "register_with_cuda": "receiver",
+    "register_with_cuda_later": "receiver",
+    "wait_for_huge_pages": "receiver",
+    "ShmstoreSenderCache": "sender",
+}
+
+__all__ = sorted([*_LAZY, "TESTED_VLLM", "enabled", "register"])
+
+logger = logging.getLogger("shmstore.vllm")
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shmstore.vllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+def enabled() -> bool:
+    """Whether ``SHMSTORE_VLLM`` asks for shmstore (``1``, ``true``, ``yes``, ``force``)."""
+    return os.environ.get("SHMSTORE_VLLM", "").lower() in ("1", "true", "yes", "force")
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version, read from its metadata (vLLM is not imported)."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: with ``SHMSTORE_VLLM`` set, makes vLLM's
+    cache factories return shmstore's caches (``plugin.register``). Safe to call any
+    number of times, in any process (vLLM loads plugins in every one). Never stops vLLM:
+    if the plugin cannot hook into this vLLM release, it says why, once per process, and
+    vLLM keeps its own cache."""
+    if not enabled():
+        return
+    try:
+        from . import plugin
+
+        plugin.register()
+    except (ImportError, AttributeError) as e:
+        # An incompatible vLLM release: a module or name the plugin hooks is gone.
+        logger.error(
+            "shmstore: SHMSTORE_VLLM is set, but the plugin cannot hook into vLLM %s "
+            "(written for %s): %s: %s. vLLM uses its own multimodal cache; install "
+            "vllm==%s, or a shmstore release made for this vLLM",
+            vllm_version(), TESTED_VLLM, type(e).__name__, e, TESTED_VLLM)

@@ -9,16 +9,17 @@ the plugin again in a process changes nothing.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 
+from . import TESTED_VLLM, enabled, vllm_version
 from .instance import _log_once, remove_stale_stores, store_name
 from .nodes import _ray_backend, engine_prefetcher
 from .receiver import ShmstoreReceiverCache
 from .sender import ShmstoreSenderCache
 
-def enabled() -> bool:
-    return os.environ.get("SHMSTORE_VLLM", "").lower() in ("1", "true", "yes", "force")
+logger = logging.getLogger("shmstore.vllm")
 
 
 def applies(vllm_config) -> bool:
@@ -60,9 +61,10 @@ def applies(vllm_config) -> bool:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: with ``SHMSTORE_VLLM`` set, makes vLLM's
-    cache factories return shmstore's caches. Safe to call any number of times, in any
-    process (vLLM loads plugins in every one)."""
+    """Makes vLLM's cache factories return shmstore's caches, with ``SHMSTORE_VLLM`` set
+    (``shmstore.vllm.register``, the entry point, calls it). Safe to call any number of
+    times, in any process (vLLM loads plugins in every one). Raises ``ImportError`` or
+    ``AttributeError`` before changing anything if a hook is missing from this vLLM."""
     if not enabled():
         return
     import vllm.multimodal.cache as pkg
@@ -70,6 +72,12 @@ def register() -> None:
 
     if getattr(factories, "_shmstore_patched", False):
         return
+    version = vllm_version()
+    if version != TESTED_VLLM:
+        logger.warning(
+            "shmstore: this is vLLM %s; the plugin is written and tested for vLLM %s. It "
+            "hooks in the same way; if workers report missing items or vLLM fails, unset "
+            "SHMSTORE_VLLM or install vllm==%s", version, TESTED_VLLM, TESTED_VLLM)
     if "SHMSTORE_VLLM_STORE" not in os.environ:
         # The first process of the instance (the launcher): name the store for every
         # process it starts, and clean up after instances that crashed.
