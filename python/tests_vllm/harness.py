@@ -104,7 +104,7 @@ def make_item(h: str, *, scale: float = 1.0, kind: str | None = None):
     )
 
     g = torch.Generator().manual_seed(_seed(h) % (1 << 62))
-    kind = kind or ("image", "video", "nested", "shared")[_seed(h) % 4]
+    kind = kind or ("image", "video", "nested", "shared", "request")[_seed(h) % 5]
     if h.endswith("!"):
         kind, scale = "image", 12 / 1.2  # ~12 MiB
     if kind == "image":
@@ -133,6 +133,23 @@ def make_item(h: str, *, scale: float = 1.0, kind: str | None = None):
                 ),
             }
         )
+    if kind == "request":
+        # One item of a 3-image request, built as vLLM's processor builds Qwen2-VL's
+        # (MultiModalKwargsItems.from_hf_inputs): the items share their field objects,
+        # and the flat field lists every item's slice, each a tuple with 0-d tensor
+        # bounds (flat_from_sizes).
+        from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
+
+        sizes = torch.tensor([max(4, int(s * scale)) // 4 * 4 for s in (64, 96, 128)])
+        hf = {
+            "pixel_values": torch.randn(int(sizes.sum()), 1176, generator=g),
+            "image_grid_thw": torch.tensor([[1, int(s) // 4, 4] for s in sizes]),
+        }
+        config = {
+            "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", sizes),
+            "image_grid_thw": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
+        }
+        return MultiModalKwargsItems.from_hf_inputs(hf, config)["image"][_seed(h) % 3]
     if kind == "nested":
         m = max(2, int(64 * scale))
         parts = [torch.randn(m + i, 16, generator=g) for i in range(3)]
@@ -168,6 +185,20 @@ def _digest_into(m, x) -> None:
         m.update(repr(x).encode())
 
 
+def _canonical(x):
+    """A field as its parameters' values: slice bounds as ints, lists and tuples alike
+    (vLLM's own codec turns 0-d tensor bounds into ints and tuples into lists)."""
+    import dataclasses
+
+    if isinstance(x, slice):
+        return ("slice", *(None if v is None else int(v) for v in (x.start, x.stop, x.step)))
+    if isinstance(x, (list, tuple)):
+        return [_canonical(v) for v in x]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__name__, [(f.name, _canonical(getattr(x, f.name))) for f in dataclasses.fields(x)])
+    return x
+
+
 def digest(item, *, keep_on_cpu_only: bool = False) -> str:
     """Keys, field kinds with their parameters, and every tensor's dtype, shape, bytes
     (of the fields marked ``keep_on_cpu`` alone, if asked)."""
@@ -177,7 +208,7 @@ def digest(item, *, keep_on_cpu_only: bool = False) -> str:
             continue
         elem = item[k]
         m.update(k.encode())
-        m.update(repr(elem.field).encode())
+        m.update(repr(_canonical(elem.field)).encode())
         _digest_into(m, elem.data)
     return m.hexdigest()
 

@@ -32,7 +32,7 @@ def store(store_env):
     return sv.open_store(make_config())
 
 
-@pytest.mark.parametrize("kind", ["image", "video", "nested", "shared"])
+@pytest.mark.parametrize("kind", ["image", "video", "nested", "shared", "request"])
 def test_every_item_shape_comes_back_equal_field_by_field(store, kind):
     item = make_item(f"x-{kind}", kind=kind)
     back = roundtrip(store, item, kind)
@@ -70,6 +70,57 @@ def test_field_parameters_slices_dims_and_keep_on_cpu_survive(store):
     assert back["flat"].field.dim == -1 and back["shared"].field.batch_size == 7
     assert back["shared"].field.keep_on_cpu
     assert isinstance(back["tup"].data, tuple) and back["num"].data == 3
+
+
+def _request_items(n: int, *, dim: int = 0):
+    """The items of one request of ``n`` images as vLLM's processor builds them for
+    Qwen2-VL (``MultiModalKwargsItems.from_hf_inputs``): every item's field is one shared
+    object, and the flat field lists every item's slice, a tuple per item with bounds
+    that ``flat_from_sizes`` sums into 0-d tensors."""
+    from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
+
+    sizes = torch.tensor([4 + i for i in range(n)])
+    pix = torch.randn(int(sizes.sum()), 24) if dim == 0 else torch.randn(3, int(sizes.sum()))
+    config = {
+        "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", sizes, dim=dim),
+        "image_grid_thw": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
+    }
+    hf = {"pixel_values": pix, "image_grid_thw": torch.tensor([[1, 2, int(s) // 2] for s in sizes])}
+    return list(MultiModalKwargsItems.from_hf_inputs(hf, config)["image"])
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_the_items_of_a_request_as_vllms_processor_builds_them_come_back_equal(store, dim):
+    items = _request_items(5, dim=dim)
+    assert items[0]["pixel_values"].field is items[4]["pixel_values"].field  # shared
+    bound = items[0]["pixel_values"].field.slices[1][dim].stop
+    assert isinstance(bound, torch.Tensor), "flat_from_sizes makes 0-d tensor bounds"
+    for i, item in enumerate(items):
+        back = roundtrip(store, item, f"req-{dim}-{i}")
+        for k in item:
+            assert back[k].field == item[k].field, k  # every item's slice, as tuples
+            assert torch.equal(back[k].data, item[k].data), k
+        slices = back["pixel_values"].field.slices
+        assert all(type(s) is tuple for s in slices) and type(slices[i][dim].stop) is int
+        assert torch.equal(back["pixel_values"].data, item["pixel_values"].data)
+
+
+def test_items_sharing_fields_are_described_once_per_request_and_the_same_as_alone(store):
+    from shmstore.vllm import item_format
+
+    items = _request_items(8)
+    item_format._STRUCTURES.clear()
+    structures = {sv.describe_item(item)[1]["vllm"] for item in items}
+    assert len(structures) == 1 and len(item_format._STRUCTURES) == 1
+    # The same text as describing the item key by key, without the cache.
+    elems = items[3].data
+    alone = item_format._to_json({"v": sv.FORMAT, "keys": [
+        {"k": k, "field": item_format._field_kind(e.field), "data": {"t": f"t{i}"}}
+        for i, (k, e) in enumerate(elems.items())]})
+    assert structures == {alone}
+    # A request with fields of its own gets an entry of its own.
+    sv.describe_item(_request_items(2)[0])
+    assert len(item_format._STRUCTURES) == 2
 
 
 def test_bfloat16_is_exact_and_tensors_are_zero_copy_and_pinned(store):
@@ -152,7 +203,13 @@ def test_items_it_cannot_hold_go_inline_with_one_log_line(store_env, caplog):
     big = make_item("big!")  # 12 MiB > 1 MiB
     out, _ = sender.get_and_update_item((big, ["u"]), "big!")
     assert out is big
-    assert sum("goes inline" in r.message for r in caplog.records) == 2
+    # A field parameter the format cannot write (a newer vLLM's, say): inline too.
+    strange = MultiModalKwargsItem(
+        {"x": MultiModalFieldElem(data=torch.zeros(2), field=MultiModalSharedField(batch_size=object()))}
+    )
+    out, _ = sender.get_and_update_item((strange, ["u"]), "strange")
+    assert out is strange and not sender.store.contains("strange")
+    assert sum("goes inline" in r.message for r in caplog.records) == 3
     assert not sender.is_cached_item("odd-a")
     sender.close()
 

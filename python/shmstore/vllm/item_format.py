@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import warnings
 from typing import Any
 
@@ -97,15 +98,31 @@ def _field_kind(field) -> list[Any]:
 
 
 def _slices_out(v):
+    """A flat field's ``slices`` as JSON: lists, tuples (``flat_from_sizes`` makes a tuple
+    per item, ``(slice(None),) * dim + (slice(a, b),)``) and slices, whose bounds it
+    makes from 0-d tensors (``flat_from_sizes`` sums the sizes with ``accumulate``)."""
     if isinstance(v, slice):
-        return {"s": [v.start, v.stop, v.step]}
-    if isinstance(v, (list, tuple)):
+        return {"s": [_bound(v.start), _bound(v.stop), _bound(v.step)]}
+    if isinstance(v, list):
         return [_slices_out(x) for x in v]
+    if isinstance(v, tuple):
+        return {"u": [_slices_out(x) for x in v]}
     raise Unsupported("field", f"flat field slices of type {type(v).__name__}")
+
+
+def _bound(x):
+    if x is None or type(x) is int:
+        return x
+    try:
+        return operator.index(x)  # an int, or an integer tensor of one element
+    except TypeError:
+        raise Unsupported("field", f"a slice bound of type {type(x).__name__}") from None
 
 
 def _slices_in(v):
     if isinstance(v, dict):
+        if "u" in v:
+            return tuple(_slices_in(x) for x in v["u"])
         return slice(*v["s"])
     return [_slices_in(x) for x in v]
 
@@ -198,11 +215,48 @@ def describe_item(item: MultiModalKwargsItem) -> tuple[_Described, dict[str, Any
     out = _Described()
     # `.data`: the item's own dict (a UserDict's documented attribute), iterated without
     # the Mapping mixin's per-element calls.
+    elems = item.data
+    if all(type(e.data) is torch.Tensor for e in elems.values()):
+        # The common case, one tensor per key: the structure depends on the keys and the
+        # field objects alone (see _structure_of).
+        for e in elems.values():
+            _data_out(e.data, out)
+        return out, {_STRUCTURE: _structure_of(elems)}
     keys = [
         {"k": key, "field": _field_kind(elem.field), "data": _data_out(elem.data, out)}
-        for key, elem in item.data.items()
+        for key, elem in elems.items()
     ]
     return out, {_STRUCTURE: _to_json({"v": FORMAT, "keys": keys})}
+
+
+#: Structures of items whose every key holds one tensor, by their keys and the identity of
+#: their field objects: (key, id(field)) per key -> (the fields, the JSON text). vLLM's
+#: processor builds the items of one request around shared field objects (one per key,
+#: ``MultiModalKwargsItems.from_hf_inputs``), and a flat field lists the slices of every
+#: item of the request: describing its fields for each item anew would cost the
+#: request's item count squared. Holding the fields keeps their ids from being reused
+#: while the entry lives. Fields are frozen dataclasses that vLLM does not change after
+#: building them.
+_STRUCTURES: dict[tuple[tuple[str, int], ...], tuple[tuple[Any, ...], str]] = {}
+_MAX_STRUCTURES = 256
+
+
+def _structure_of(elems: dict[str, MultiModalFieldElem]) -> str:
+    key = tuple((k, id(e.field)) for k, e in elems.items())
+    hit = _STRUCTURES.get(key)
+    if hit is not None:
+        return hit[1]
+    text = _to_json({
+        "v": FORMAT,
+        "keys": [
+            {"k": k, "field": _field_kind(e.field), "data": {"t": f"t{i}"}}
+            for i, (k, e) in enumerate(elems.items())
+        ],
+    })
+    if len(_STRUCTURES) >= _MAX_STRUCTURES:
+        _STRUCTURES.clear()  # requests rarely share fields with old ones: start afresh
+    _STRUCTURES[key] = (tuple(e.field for e in elems.values()), text)
+    return text
 
 
 @functools.lru_cache(maxsize=4096)

@@ -126,7 +126,14 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         if self.inline_only:
             return mm_item
         try:
-            out, meta = describe_item(item)
+            try:
+                out, meta = describe_item(item)
+            except Unsupported:
+                raise
+            except (TypeError, ValueError, OverflowError) as e:
+                # A value the item format does not know (a newer vLLM's field, say): the
+                # item goes inline, as vLLM would send it, rather than failing the request.
+                raise Unsupported("describe", f"{type(e).__name__}: {e}") from None
             if out.nbytes > self.max_object_size:
                 raise Unsupported(
                     "size",
