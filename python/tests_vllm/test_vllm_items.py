@@ -62,9 +62,11 @@ def test_field_parameters_slices_dims_and_keep_on_cpu_survive(store):
                 field=MultiModalBatchedField(),
             ),
             "empty": MultiModalFieldElem(data=torch.empty(0, 5), field=MultiModalBatchedField()),
+            "text": MultiModalFieldElem(data=["caption: ünïcode ✓", ""], field=MultiModalBatchedField()),
         }
     )
     back = roundtrip(store, item)
+    assert back["text"].data == ["caption: ünïcode ✓", ""]
     assert digest(back) == digest(item)
     assert back["flat2"].field.slices == [[slice(0, 3), slice(2, 5)]]
     assert back["flat"].field.dim == -1 and back["shared"].field.batch_size == 7
@@ -210,6 +212,13 @@ def test_items_it_cannot_hold_go_inline_with_one_log_line(store_env, caplog):
     out, _ = sender.get_and_update_item((strange, ["u"]), "strange")
     assert out is strange and not sender.store.contains("strange")
     assert sum("goes inline" in r.message for r in caplog.records) == 3
+    # Strings are stored up to sv.MAX_STRING characters; longer ones go inline.
+    short = MultiModalKwargsItem(
+        {"s": MultiModalFieldElem(data="x" * sv.MAX_STRING, field=MultiModalBatchedField())})
+    long = MultiModalKwargsItem(
+        {"s": MultiModalFieldElem(data="x" * (sv.MAX_STRING + 1), field=MultiModalBatchedField())})
+    assert sv.is_marker(sender.get_and_update_item((short, ["u"]), "short")[0])
+    assert sender.get_and_update_item((long, ["u"]), "long")[0] is long
     assert not sender.is_cached_item("odd-a")
     sender.close()
 

@@ -75,6 +75,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers
     from .item_format import (
         FORMAT,
         MARKER,
+        MAX_STRING,
         Unsupported,
         decode_item,
         describe_item,
@@ -104,6 +105,7 @@ _LAZY = {
     "store_name": "instance",
     "store_path": "instance",
     "FORMAT": "item_format",
+    "MAX_STRING": "item_format",
     "MARKER": "item_format",
     "Unsupported": "item_format",
     "decode_item": "item_format",

@@ -63,6 +63,10 @@ _ITEMSIZE = {name: torch.empty((), dtype=t).element_size() for t, name in _TORCH
 # Views of read-only shared memory: torch warns that the buffer is not writable (by design:
 # a write faults in a read-only attach). Said once in the docs instead of per tensor.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+#: The longest string an item holds (in characters); an item with a longer one goes inline.
+MAX_STRING = 4096
+
+
 class Unsupported(ValueError):
     """An item that cannot be a shmstore item; it goes inline instead. ``reason`` groups
     the cases for the log (one line per reason)."""
@@ -177,6 +181,10 @@ def _data_out(x, out: _Described):
         return {"f": x}
     if x is None:
         return None
+    if isinstance(x, str):
+        if len(x) > MAX_STRING:
+            raise Unsupported("type", f"a string of {len(x)} characters (at most {MAX_STRING} are stored)")
+        return {"z": x}
     if isinstance(x, list):
         return {"l": [_data_out(e, out) for e in x]}
     if isinstance(x, tuple):
@@ -192,7 +200,7 @@ def _data_in(x, arrays: dict[str, Any]):
     ((tag, v),) = x.items()
     if tag == "t":
         return arrays[v]
-    if tag in ("i", "f", "b"):
+    if tag in ("i", "f", "b", "z"):
         return v
     if tag == "l":
         return [_data_in(e, arrays) for e in v]
