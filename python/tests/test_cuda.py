@@ -2,6 +2,11 @@
 waiting for the creator's 2 MiB pages. The GPU side is measured by
 python/benchmarks/gpu_copy.py on a machine with one (docs/vllm.md, "GPU copies")."""
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -39,3 +44,47 @@ def test_a_store_never_rebuilt_is_not_waited_for_past_the_stall(store_name):
     t = time.monotonic()
     assert sc.wait_for_huge_pages(s, stalled_s=0.2) is False
     assert time.monotonic() - t < 5
+
+
+_BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_copy.py")
+
+
+def test_the_gpu_benchmark_says_it_needs_a_gpu_and_measures_nothing_without_one():
+    if sc.gpu_visible():
+        pytest.skip("a GPU is visible: run the benchmark itself")
+    out = subprocess.run([sys.executable, _BENCH], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "no GPU is visible to torch: nothing measured" in out.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_the_gpu_benchmark_runs_through_with_cuda_faked_on_the_cpu(tmp_path):
+    # Lent GPU machines are rare and their time short: this keeps the script from
+    # breaking unseen. CUDA is faked with CPU stand-ins (a copy for pinning, the CPU
+    # for the device); the figures mean nothing, the flow and the checks do.
+    fake = f"""
+import runpy, sys, torch
+sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..")!r})
+import shmstore.cuda as sc
+sc.gpu_visible = lambda: True
+sc.register = lambda store, read_only=True: None
+sc.unregister = lambda store: None
+torch.cuda.synchronize = lambda: None
+torch.cuda.get_device_name = lambda i=0: "fake"
+torch.Tensor.pin_memory = lambda self: self.clone()
+torch.Tensor.is_pinned = lambda self: False
+_device = torch.device
+torch.device = lambda s: _device("cpu")
+_new_empty = torch.Tensor.new_empty
+torch.Tensor.new_empty = lambda self, *a, pin_memory=False, **k: _new_empty(self, *a, **k)
+sys.argv = ["gpu_copy.py", "--reps", "2", "--register-gib", "0.0625", "--json", {str(tmp_path / "gpu.json")!r}]
+runpy.run_path({_BENCH!r}, run_name="__main__")
+"""
+    out = subprocess.run([sys.executable, "-c", fake], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+    assert "every copy equals its source" in out.stdout, out.stdout
+    figures = json.loads((tmp_path / "gpu.json").read_text())
+    assert set(figures["rows"]) == {"image", "video", "large"}
+    for row in figures["rows"].values():
+        assert {"floor", "vllm_shm", "view", "view_staged", "registered"} <= set(row)
+    assert [r["gib"] for r in figures["registration"]] == [0.0625]
