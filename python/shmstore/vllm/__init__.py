@@ -135,6 +135,10 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f".{module}", __name__), name)
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 def enabled() -> bool:
     """Whether ``SHMSTORE_VLLM`` asks for shmstore (``1``, ``true``, ``yes``, ``force``)."""
     return os.environ.get("SHMSTORE_VLLM", "").lower() in ("1", "true", "yes", "force")
