@@ -3,8 +3,9 @@
 vLLM's RPC in its place.
 
 Invariants: ``decode_item(encode_item(x))`` equals ``x`` for every item vLLM 0.34 builds
-(field kinds and parameters, nesting, bfloat16); anything else raises ``Unsupported``
-before a byte is written, and the item goes inline. A structure read back is validated
+(field kinds and parameters, nesting, bfloat16, strings up to ``MAX_STRING``); anything
+else raises ``Unsupported`` (or the JSON encoder's ``TypeError``, which the sender treats
+alike) before a byte is written, and the item goes inline. A structure read back is validated
 (format number, field kinds) before use: another process wrote it.
 """
 
