@@ -95,6 +95,14 @@ def test_the_entry_point_imports_nothing_heavy_while_the_switch_is_off(store_env
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-3000:])
 
 
+def test_every_public_name_resolves_from_its_module():
+    for name in sv.__all__:
+        assert getattr(sv, name) is not None, name
+    assert set(sv.__all__) <= set(dir(sv))
+    with pytest.raises(AttributeError):
+        sv.no_such_name  # noqa: B018
+
+
 def test_a_vllm_without_the_hooks_keeps_its_own_cache_and_the_log_says_why(store_env):
     r = run(
         """
