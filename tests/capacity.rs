@@ -93,6 +93,25 @@ fn full_of(capacity: u64, len: usize) -> (Store, usize) {
     (s, n)
 }
 
+/// Pins every `step`-th of the `n` objects `full_of` wrote: (index, its view).
+fn pin_every(s: &Store, n: usize, step: usize) -> Vec<(usize, shmstore::View)> {
+    (0..n)
+        .step_by(step)
+        .map(|i| (i, s.try_get(&key(i)).unwrap()))
+        .collect()
+}
+
+/// Every pinned object is still in the store, with the bytes `full_of` wrote.
+fn assert_pinned_intact(s: &Store, pinned: &[(usize, shmstore::View)]) {
+    for (i, v) in pinned {
+        assert!(s.contains(&key(*i)), "pinned object {i} was evicted");
+        assert!(
+            v.iter().all(|&b| b == *i as u8),
+            "pinned object {i} changed"
+        );
+    }
+}
+
 #[test]
 fn a_large_put_evicts_about_its_own_size_not_the_whole_store() {
     // vLLM's mix: many small images, then a video. Every object is cold (never read), so
@@ -139,10 +158,7 @@ fn a_large_put_into_a_store_of_small_objects_evicts_at_most_twice_its_size() {
     const SMALL: usize = 8 << 10;
     const LARGE: usize = 1 << 20;
     let (s, n) = full_of(16 << 20, SMALL);
-    let pinned: Vec<_> = (0..n)
-        .step_by(257)
-        .map(|i| (i, s.try_get(&key(i)).unwrap()))
-        .collect();
+    let pinned = pin_every(&s, n, 257);
     let bound = 2 * (LARGE / SMALL) as u64 + 16;
     for j in 0..4u64 {
         let before = s.stats().evictions;
@@ -154,13 +170,7 @@ fn a_large_put_into_a_store_of_small_objects_evicts_at_most_twice_its_size() {
             "put {j} evicted {took} objects of 8 KiB (bound {bound})"
         );
     }
-    for (i, v) in &pinned {
-        assert!(s.contains(&key(*i)), "pinned object {i} was evicted");
-        assert!(
-            v.iter().all(|&b| b == *i as u8),
-            "pinned object {i} changed"
-        );
-    }
+    assert_pinned_intact(&s, &pinned);
     drop(pinned);
     s.check_invariants().unwrap();
 }
@@ -196,10 +206,7 @@ fn widening_a_hole_never_takes_pinned_or_unevictable_neighbours() {
     // Every 32nd object is an obstacle, pinned or marked never evictable in turn: the
     // stretches between them hold 31 objects (620 KiB), so no 1 MiB hole can be made
     // without taking an obstacle, and 400 KiB fits in any stretch.
-    let pinned: Vec<_> = (0..n)
-        .step_by(64)
-        .map(|i| (i, s.try_get(&key(i)).unwrap()))
-        .collect();
+    let pinned = pin_every(&s, n, 64);
     let stay: Vec<usize> = (32..n).step_by(64).collect();
     for &i in &stay {
         s.delete(&key(i)).unwrap();
@@ -214,13 +221,7 @@ fn widening_a_hole_never_takes_pinned_or_unevictable_neighbours() {
         Err(Error::Full { .. }) => {}
         other => panic!("{other:?}"),
     }
-    for (i, v) in &pinned {
-        assert!(s.contains(&key(*i)), "pinned object {i} was evicted");
-        assert!(
-            v.iter().all(|&b| b == *i as u8),
-            "pinned object {i} changed"
-        );
-    }
+    assert_pinned_intact(&s, &pinned);
     for &i in &stay {
         assert!(s.contains(&key(i)), "unevictable object {i} was evicted");
     }
