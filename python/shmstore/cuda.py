@@ -83,22 +83,59 @@ def _rc(rc: Any) -> int:
     return int(getattr(rc, "value", rc))
 
 
-def register(store: Any, *, read_only: bool = True) -> None:
+# cudaError_t codes (driver_types.h) a registration meets, with what the user can do.
+_ALREADY_REGISTERED = 712
+_NOT_REGISTERED = 713
+_FIXES = {
+    2: "page-locking needs the locked-memory limit (`ulimit -l`, a container's memory "
+       "limit) to cover the heap",
+    1: "CUDA refused the range (a heap mapped read-only needs read_only=True)",
+    _ALREADY_REGISTERED: "this process already registered the heap (register once per attach)",
+    _NOT_REGISTERED: "this process has not registered the heap",
+    801: "this platform cannot page-lock shared memory (some sandboxes and VMs)",
+}
+
+
+def _describe(rc: int) -> str:
+    """``error N (cudaErrorName: CUDA's text)`` and, where one is known, what to do."""
+    text = ""
+    try:
+        import torch
+
+        text = str(torch._C._cudart.cudaGetErrorString(torch._C._cudart.cudaError(rc)))
+    except Exception:  # an error code torch's enum lacks, or no such binding: the number alone
+        pass
+    fix = _FIXES.get(rc)
+    return f"error {rc}" + (f" ({text})" if text else "") + (f": {fix}" if fix else "")
+
+
+def register(store: Any, *, read_only: bool = True, device: int | None = None) -> None:
     """Registers the store's heap with CUDA in this process (``cudaHostRegister``,
     portable; with ``read_only``, also ``cudaHostRegisterReadOnly``, which a heap mapped
     read-only needs and a writable one allows). Pins every page of the heap until
     ``unregister`` or the end of the process.
 
+    The call runs in ``device``'s context (default: the calling thread's current device).
+    CUDA's current device is per thread, and a new thread's is device 0: from a
+    background thread, pass the device the process works on, or it creates a context on
+    GPU 0 (hundreds of MiB there, in every worker of a multi-GPU machine).
+
     Raises ``CudaUnavailable`` without a GPU, ``RegistrationFailed`` if CUDA refuses.
     """
     addr, length = store.heap_region
     flags = _PORTABLE | (_READ_ONLY if read_only else 0)
-    rc = _rc(_cudart().cudaHostRegister(addr, length, flags))
+    cudart = _cudart()
+    if device is None:
+        rc = _rc(cudart.cudaHostRegister(addr, length, flags))
+    else:
+        import torch
+
+        with torch.cuda.device(device):
+            rc = _rc(cudart.cudaHostRegister(addr, length, flags))
     if rc != 0:
         raise RegistrationFailed(
-            f"cudaHostRegister of the store's {length / (1 << 30):.1f} GiB heap returned "
-            f"error {rc}: page-locking needs the locked-memory limit (`ulimit -l`, a "
-            f"container's memory limit) to cover the heap; copies to the GPU stay staged")
+            f"cudaHostRegister of the store's {length / (1 << 30):.2f} GiB heap returned "
+            f"{_describe(rc)}; copies to the GPU stay staged")
 
 
 def unregister(store: Any) -> None:
@@ -108,4 +145,4 @@ def unregister(store: Any) -> None:
     addr, _ = store.heap_region
     rc = _rc(_cudart().cudaHostUnregister(addr))
     if rc != 0:
-        raise RegistrationFailed(f"cudaHostUnregister of the store's heap returned error {rc}")
+        raise RegistrationFailed(f"cudaHostUnregister of the store's heap returned {_describe(rc)}")

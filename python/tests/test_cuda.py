@@ -1,6 +1,7 @@
-"""shmstore.cuda: what it does on a machine without a GPU (this suite's machines), and
-waiting for the creator's 2 MiB pages. The GPU side is measured by
-python/benchmarks/gpu_copy.py on a machine with one (docs/vllm.md, "GPU copies")."""
+"""shmstore.cuda: what it does on a machine without a GPU (this suite's machines), what it
+does with one (those tests skip here, and run on a lent GPU machine through
+scripts/gpu.sh), and waiting for the creator's 2 MiB pages. The GPU side is measured by
+python/benchmarks/gpu_copy.py (docs/vllm.md, "GPU copies")."""
 
 import importlib.util
 import json
@@ -15,6 +16,8 @@ import pytest
 import shmstore
 import shmstore.cuda as sc
 
+from conftest import run_python
+
 
 def test_without_a_gpu_registration_raises_a_typed_error_and_changes_nothing(store):
     if sc.gpu_visible():
@@ -28,6 +31,81 @@ def test_without_a_gpu_registration_raises_a_typed_error_and_changes_nothing(sto
     after = store.stats()
     assert (after["objects"], after["pins"]) == (before["objects"], before["pins"])
     assert (shmstore.get_item(store, "x", 1.0)["a"] == 1).all()
+
+
+needs_gpu = pytest.mark.skipif(not sc.gpu_visible(), reason="no GPU is visible to torch")
+
+
+def _tensor(n: int, seed: int):
+    import torch
+
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+@needs_gpu
+def test_with_a_gpu_registered_views_are_pinned_and_reach_the_gpu_exactly(store):
+    import torch
+
+    src = _tensor(3 << 18, 1)  # 3 MiB
+    shmstore.put_item(store, "x", {"t": src})
+    view = shmstore.get_item(store, "x", 1.0, as_torch=True)["t"]
+    assert not view.is_pinned()
+    sc.register(store)
+    try:
+        assert view.is_pinned(), "a registered heap's views count as pinned"
+        got = view.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), src)
+    finally:
+        sc.unregister(store)
+    assert not view.is_pinned()
+
+
+@needs_gpu
+def test_with_a_gpu_registering_twice_names_the_cause_and_keeps_the_first(store):
+    shmstore.put_item(store, "x", {"t": _tensor(1024, 2)})
+    view = shmstore.get_item(store, "x", 1.0, as_torch=True)["t"]
+    sc.register(store)
+    try:
+        with pytest.raises(sc.RegistrationFailed, match="already registered"):
+            sc.register(store)
+        assert view.is_pinned()
+    finally:
+        sc.unregister(store)
+    with pytest.raises(sc.RegistrationFailed, match="has not registered"):
+        sc.unregister(store)
+
+
+@needs_gpu
+def test_with_a_gpu_a_read_only_attach_registers_from_a_thread_on_the_given_device(
+    store_name,
+):
+    # A worker's store is read-only, and the plugin registers from a background thread,
+    # whose current device is 0 until set: register(device=...) runs in that device.
+    creator = shmstore.Store.create(store_name, 32 << 20)
+    src = _tensor(1 << 20, 3)
+    shmstore.put_item(creator, "x", {"t": src})
+    code = f"""
+        import threading, torch, shmstore, shmstore.cuda as sc
+        s = shmstore.Store.open({store_name!r}, read_only=True)
+        view = shmstore.get_item(s, "x", 1.0, as_torch=True)["t"]
+        dev = torch.cuda.device_count() - 1
+        torch.cuda.set_device(dev)
+        seen = []
+        def run():
+            sc.register(s, device=dev)
+            seen.append(torch.cuda.current_device())
+        t = threading.Thread(target=run); t.start(); t.join()
+        got = view.to(dev, non_blocking=True); torch.cuda.synchronize()
+        want = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3))
+        print(view.is_pinned(), torch.equal(got.cpu(), want), seen == [0])
+    """
+    out = run_python(code, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # The thread's own current device stays its default: the registration ran in the
+    # given device's context only for its own duration.
+    assert out.stdout.split() == ["True", "True", "True"], out.stdout
+    del creator
 
 
 def test_waiting_for_huge_pages_returns_what_the_store_reports(store_name):
