@@ -343,6 +343,48 @@ def test_workers_register_with_cuda_only_after_the_store_is_on_2_mib_pages(store
     sender.close()
 
 
+def test_workers_register_with_cuda_on_the_device_of_their_first_read_not_at_start(
+    store_env, monkeypatch
+):
+    # vLLM creates the receiver before it picks the worker's GPU (init_device), and CUDA's
+    # current device is per thread: registering at start, or from the background thread's
+    # own device 0, would start CUDA on GPU 0 in every worker. CUDA is faked here; the
+    # real call runs in python/tests/test_cuda.py on a GPU machine.
+    import threading
+
+    import torch
+    from harness import make_item
+
+    from shmstore.vllm import receiver as rv
+
+    calls: list = []
+    registered = threading.Event()
+
+    def fake_register(store, *, read_only=True, device=None):
+        calls.append((read_only, device))
+        registered.set()
+
+    initialised = [False]
+    monkeypatch.setattr(rv.cuda, "gpu_visible", lambda: True)
+    monkeypatch.setattr(rv.cuda, "register", fake_register)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialised[0])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setenv("SHMSTORE_VLLM_CUDA_REGISTER", "auto")
+    cfg = make_config(cache_mb=64)
+    sender = sv.ShmstoreSenderCache(cfg)
+    r = sv.ShmstoreReceiverCache(cfg)
+    markers = {h: sender.get_and_update_item((make_item(h), []), h)[0] for h in ("a", "b")}
+    assert r.cuda_device_known is not None and not r.cuda_device_known.is_set()
+    r.get_and_update_item(markers["a"], "a")  # CUDA not initialised yet: not the device
+    assert not r.cuda_device_known.is_set() and calls == []
+    initialised[0] = True  # vLLM's init_device ran
+    r.get_and_update_item(markers["b"], "b")
+    assert r.cuda_device_known.is_set() and r.cuda_device == 3
+    assert registered.wait(120), "the worker never registered"
+    assert calls == [(True, 3)]
+    sender.close()
+
+
 def test_the_store_figures_appear_in_the_registry_vllm_serves(store_env):
     from prometheus_client import REGISTRY, generate_latest
 

@@ -70,6 +70,9 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
         #: Whether this worker registered the store's heap with CUDA (set by a background
         #: thread once the store's pages are rebuilt; see ``register_with_cuda_later``).
         self.cuda_registered = False
+        #: Set once this worker's first read found CUDA initialised; the device it uses.
+        self.cuda_device_known: threading.Event | None = None
+        self.cuda_device: int | None = None
         register_with_cuda_later(self)
         if keep_fraction is None:
             keep_fraction = float(os.environ.get("SHMSTORE_VLLM_WORKER_KEEP", "0.125"))
@@ -117,6 +120,8 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
             raise MultiModalCacheMissError([mm_hash]) from None
         item = decode_item(arrays)
         self._keep(mm_hash, item, nbytes)
+        if self.cuda_device_known is not None and not self.cuda_device_known.is_set():
+            note_cuda_device(self)
         return item
 
     def _keep(self, mm_hash: str, item: MultiModalKwargsItem, nbytes: int) -> None:
@@ -166,19 +171,37 @@ def _get_torch_item(store, mm_hash: str, timeout: float) -> tuple[dict[str, Any]
 
 def register_with_cuda_later(receiver) -> None:
     """Registers the receiver's store with CUDA on a background thread, per
-    ``SHMSTORE_VLLM_CUDA_REGISTER``, after the store's pages are rebuilt as 2 MiB pages:
-    registration pins every page, and the kernel cannot rebuild a pinned page, so a
-    worker that registered first would leave the store on 4 KiB pages for every process.
+    ``SHMSTORE_VLLM_CUDA_REGISTER``, once two things are true:
+
+    * the store's pages are rebuilt as 2 MiB pages: registration pins every page, and the
+      kernel cannot rebuild a pinned page, so a worker that registered first would leave
+      the store on 4 KiB pages for every process;
+    * the worker has read its first item, with CUDA initialised: vLLM creates the
+      receiver before it picks the worker's GPU (``init_device``), and CUDA's current
+      device is per thread. The read tells which device the worker uses
+      (``note_cuda_device``); registering earlier, or from this thread's default device,
+      would initialise CUDA on GPU 0 in every worker.
+
     Until it is done, copies to the GPU are staged (correct, slower); on a machine
     without a GPU nothing happens."""
     if not _cuda_wanted():
         return
+    receiver.cuda_device_known = threading.Event()
 
     def run() -> None:
         wait_for_huge_pages(receiver.store)
-        receiver.cuda_registered = register_with_cuda(receiver.store)
+        receiver.cuda_device_known.wait()
+        receiver.cuda_registered = register_with_cuda(receiver.store, receiver.cuda_device)
 
     threading.Thread(target=run, name="shmstore-cuda-register", daemon=True).start()
+
+
+def note_cuda_device(receiver) -> None:
+    """Called by the thread that reads items: once CUDA is initialised in the process,
+    records that thread's current device for ``register_with_cuda_later``."""
+    if torch.cuda.is_initialized():
+        receiver.cuda_device = torch.cuda.current_device()
+        receiver.cuda_device_known.set()
 
 
 def _cuda_wanted() -> bool:
@@ -194,15 +217,16 @@ def _cuda_wanted() -> bool:
     return True
 
 
-def register_with_cuda(store) -> bool:
-    """Registers the store's heap with CUDA in this process (``shmstore.cuda.register``),
-    per ``SHMSTORE_VLLM_CUDA_REGISTER`` (``auto``: when a GPU is there). Returns whether it
-    did; never raises: a worker that cannot register copies staged, as without."""
+def register_with_cuda(store, device: int | None = None) -> bool:
+    """Registers the store's heap with CUDA in this process (``shmstore.cuda.register``,
+    in ``device``'s context), per ``SHMSTORE_VLLM_CUDA_REGISTER`` (``auto``: when a GPU is
+    there). Returns whether it did; never raises: a worker that cannot register copies
+    staged, as without."""
     if not _cuda_wanted():
         return False
     read_only = os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0"
     try:
-        cuda.register(store, read_only=read_only)
+        cuda.register(store, read_only=read_only, device=device)
     except Exception as e:  # noqa: BLE001 - any failure means "not registered"
         logger.warning("shmstore: %s (see docs/vllm.md, \"GPU copies\")", e)
         return False
