@@ -169,6 +169,31 @@ class Instance:
             self.sender.close()
 
 
+def item_bytes(item) -> int:
+    """The bytes of an item's tensors (what a first send must copy at least once)."""
+    return sum(e.data.numel() * e.data.element_size() for e in item.values()
+               if isinstance(e.data, torch.Tensor))
+
+
+def copy_floor(item_kind: str, samples: int = 60) -> dict:
+    """The physical floor of a first send: one copy of an item's bytes, from memory the
+    caches have not touched into memory already mapped (as shmstore's prefaulted store),
+    out of the CPU's caches: consecutive copies walk 512 MiB buffers. Median per item."""
+    per = statistics.mean(item_bytes(i) for i in make_items(item_kind, "floor").values())
+    size = max(512 << 20, 4 * int(per))
+    src, dst = torch.randn(size // 4).view(torch.uint8), torch.ones(size, dtype=torch.uint8)
+    n, times, off = int(per), [], 0
+    for _ in range(samples):
+        if off + n > size:
+            off = 0
+        t = time.perf_counter()
+        dst[off:off + n].copy_(src[off:off + n])
+        times.append(time.perf_counter() - t)
+        off += n
+    return {"item_mib": per / (1 << 20), "copy_ms_p50": 1e3 * statistics.median(times),
+            "copy_gb_s": per / statistics.median(times) / 1e9}
+
+
 def measure(kind, n, item_kind, rounds, env, cache_gb):
     inst = Instance(kind, n, env, cache_gb)
     try:
@@ -233,8 +258,15 @@ def main() -> None:
     }
     setup_process(env)
     results = []
+    floors = {}
     try:
         for item in args.items.split(","):
+            floors[item] = copy_floor(item)
+            results.append({"item": item, "kind": "memcpy-floor", **floors[item]})
+            if not args.json:
+                c = floors[item]
+                print(f"{item:6} floor: one copy of an item's {c['item_mib']:.2f} MiB out of the "
+                      f"CPU's caches {c['copy_ms_p50']:8.3f} ms ({c['copy_gb_s']:.1f} GB/s)", flush=True)
             for n in map(int, args.workers.split(",")):
                 for kind in args.kinds.split(","):
                     # A burst request is cheap and its per-item CPU figures are small: more
@@ -260,7 +292,7 @@ def main() -> None:
         return
     print("\nshmstore against vLLM's shm cache (same run): speed-up of end-to-end latency and of the"
           " receiver's own time, share of front-end CPU (all of it; in the cache and vLLM's codec alone)")
-    key = {(r["item"], r["workers"], r["kind"], r["phase"]): r for r in results}
+    key = {(r["item"], r["workers"], r["kind"], r["phase"]): r for r in results if "phase" in r}
     for item in args.items.split(","):
         for n in map(int, args.workers.split(",")):
             for phase in ("first", "hit"):
@@ -271,6 +303,15 @@ def main() -> None:
                           f"front-end CPU {b['frontend_cpu_ms'] / max(a['frontend_cpu_ms'], 1e-9):5.2f} of vLLM's "
                           f"(in the cache and codec "
                           f"{b['frontend_cache_cpu_ms'] / max(a['frontend_cache_cpu_ms'], 1e-9):5.2f})")
+    print("\nshmstore's first send against its floor (one copy of the item's bytes, same run): "
+          "the front-end's CPU in the cache and codec, per item")
+    for item in args.items.split(","):
+        for n in map(int, args.workers.split(",")):
+            b = key.get((item, n, "shmstore", "first"))
+            if b:
+                fl = floors[item]["copy_ms_p50"]
+                print(f"{item:6} {n} workers: {b['frontend_cache_cpu_ms']:7.3f} ms, floor "
+                      f"{fl:7.3f} ms: {b['frontend_cache_cpu_ms'] / fl:5.2f}x the floor")
 
 
 if __name__ == "__main__":
