@@ -5,8 +5,10 @@
 #      beside the DMA floor, and the cost of registering a heap with CUDA per GiB;
 #   3. python/tests/test_cuda.py, whose GPU tests skip everywhere else;
 #   4. with --scale, `shmstore bench --scale` (issue 11's rows) on the machine's memory;
-#   5. with --vllm, python/benchmarks/vllm_cache.py (vLLM's caches beside shmstore's, 1 to
-#      8 workers) on the machine's cores.
+#   5. with --vllm, the plugin's CUDA tests (python/tests_vllm, real CUDA) and
+#      python/benchmarks/vllm_cache.py (vLLM's caches beside shmstore's, 1 to 8 workers)
+#      on the machine's cores; with --vllm-tests, the tests alone.
+# --no-copy leaves out steps 2 and 3 (a rerun that needs only the others).
 #
 # Needs torch with a GPU, the built extension (python/shmstore/_native.abi3.so: build it
 # with `bash scripts/python.sh`), for --scale target/release/shmstore, and for --vllm what
@@ -19,8 +21,8 @@
 # leaves the others.
 #
 #   bash scripts/gpu.sh prepare              # here: fills .gpu-pkgs/ (about 30 MiB)
-#   bash scripts/gpu.sh [--scale] [--vllm]   # there, carrying the extension, the binary
-#                                            # and .gpu-pkgs
+#   bash scripts/gpu.sh [--no-copy] [--scale] [--vllm|--vllm-tests]
+#                                # there, carrying the extension, the binary and .gpu-pkgs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 pkgs=.gpu-pkgs
@@ -63,19 +65,21 @@ echo "== machine"
     "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
 } 2>&1 | tee "$out/machine.txt"
 
-echo "== gpu_copy"
-timeout 300 "$py" python/benchmarks/gpu_copy.py --json "$out/gpu.json" 2>&1 | tee "$out/gpu_copy.txt" || status=1
+case " $* " in *" --no-copy "*) ;; *)
+    echo "== gpu_copy"
+    timeout 300 "$py" python/benchmarks/gpu_copy.py --json "$out/gpu.json" 2>&1 | tee "$out/gpu_copy.txt" || status=1
 
-echo "== test_cuda"
-timeout 180 "$py" -m pytest -q -p no:cacheprovider -rs python/tests/test_cuda.py 2>&1 | tee "$out/test_cuda.txt" || status=1
+    echo "== test_cuda"
+    timeout 180 "$py" -m pytest -q -p no:cacheprovider -rs python/tests/test_cuda.py 2>&1 | tee "$out/test_cuda.txt" || status=1
+esac
 
 case " $* " in *" --scale "*)
     echo "== shmstore bench --scale"
     timeout 240 target/release/shmstore bench --scale 2>&1 | tee "$out/scale.txt" || status=1
 esac
 
-case " $* " in *" --vllm "*)
-    echo "== vLLM caches beside shmstore's"
+case " $* " in *" --vllm "*|*" --vllm-tests "*)
+    echo "== vLLM plugin with CUDA"
     site=/tmp/gpu-site
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$site" "$pkgs"/wheels/*.whl && tar -xJf "$pkgs/vllm-src.tar.xz" -C "$site" \
@@ -83,7 +87,12 @@ case " $* " in *" --vllm "*)
     # VLLM_TARGET_DEVICE=cpu: vLLM's CUDA platform loads its compiled kernels, which are
     # not carried; the cache classes and the codec run the same on either platform.
     export PYTHONPATH="$site:$PYTHONPATH" VLLM_TARGET_DEVICE=cpu
-    timeout 420 "$py" python/benchmarks/vllm_cache.py --workers "${GPU_VLLM_WORKERS:-1,2,4,8}" \
-        2>&1 | tee "$out/vllm.txt" || status=1
+    timeout 180 "$py" -m pytest -q -p no:cacheprovider -rs python/tests_vllm/test_vllm_plugin.py \
+        -k cuda 2>&1 | tee "$out/test_vllm_cuda.txt" || status=1
+    case " $* " in *" --vllm "*)
+        echo "== vLLM caches beside shmstore's"
+        timeout 420 "$py" python/benchmarks/vllm_cache.py --workers "${GPU_VLLM_WORKERS:-1,2,4,8}" \
+            2>&1 | tee "$out/vllm.txt" || status=1
+    esac
 esac
 exit $status

@@ -385,6 +385,51 @@ def test_workers_register_with_cuda_on_the_device_of_their_first_read_not_at_sta
     sender.close()
 
 
+def test_with_a_gpu_a_worker_registers_with_cuda_after_its_first_read_and_its_items_are_pinned(
+    store_env,
+):
+    # The path above with real CUDA (skipped without a GPU; run by scripts/gpu.sh --vllm):
+    # the receiver starts no CUDA before vLLM picks the device, registers once the first
+    # read finds CUDA up, and the items it returns then count as pinned and reach the GPU
+    # exactly. A fresh process, so that no earlier test has initialised CUDA.
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU is visible to torch")
+    r = run(
+        """
+        import threading, torch
+        from harness import make_config, make_item, setup_process
+        setup_process()
+        from shmstore import vllm as sv
+        cfg = make_config(cache_mb=64)
+        sender = sv.ShmstoreSenderCache(cfg)
+        items = {h: make_item(h) for h in ("a", "b")}
+        markers = {h: sender.get_and_update_item((items[h], []), h)[0] for h in items}
+        r = sv.ShmstoreReceiverCache(cfg)
+        assert not torch.cuda.is_initialized(), "the receiver started CUDA"
+        dev = torch.cuda.device_count() - 1
+        torch.cuda.set_device(dev)      # vLLM's init_device
+        torch.zeros(1, device="cuda")
+        first = r.get_and_update_item(markers["a"], "a")
+        assert r.cuda_device_known.is_set() and r.cuda_device == dev
+        [t.join(120) for t in threading.enumerate() if t.name == "shmstore-cuda-register"]
+        assert r.cuda_registered, "not registered"
+        for h, got in (("a", first), ("b", r.get_and_update_item(markers["b"], "b"))):
+            for key, elem in got.items():
+                if isinstance(elem.data, torch.Tensor) and elem.data.numel():
+                    assert elem.data.is_pinned(), (h, key)
+                    on_gpu = elem.data.to("cuda", non_blocking=True)
+                    torch.cuda.synchronize()
+                    assert torch.equal(on_gpu.cpu(), items[h][key].data), (h, key)
+        sender.close()
+        print("ok")
+        """,
+        store_env,
+    )
+    assert r.stdout.strip().endswith("ok"), (r.stdout[-2000:], r.stderr[-3000:])
+
+
 def test_the_store_figures_appear_in_the_registry_vllm_serves(store_env):
     from prometheus_client import REGISTRY, generate_latest
 
