@@ -344,7 +344,7 @@ def test_workers_register_with_cuda_only_after_the_store_is_on_2_mib_pages(store
 
 
 def test_workers_register_with_cuda_on_the_device_of_their_first_read_not_at_start(
-    store_env, monkeypatch
+    store_env, monkeypatch, caplog
 ):
     # vLLM creates the receiver before it picks the worker's GPU (init_device), and CUDA's
     # current device is per thread: registering at start, or from the background thread's
@@ -358,11 +358,9 @@ def test_workers_register_with_cuda_on_the_device_of_their_first_read_not_at_sta
     from shmstore.vllm import receiver as rv
 
     calls: list = []
-    registered = threading.Event()
 
     def fake_register(store, *, read_only=True, device=None):
         calls.append((read_only, device))
-        registered.set()
 
     initialised = [False]
     monkeypatch.setattr(rv.cuda, "gpu_visible", lambda: True)
@@ -370,6 +368,7 @@ def test_workers_register_with_cuda_on_the_device_of_their_first_read_not_at_sta
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialised[0])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setenv("SHMSTORE_VLLM_CUDA_REGISTER", "auto")
+    caplog.set_level(logging.INFO, logger="shmstore.vllm")
     cfg = make_config(cache_mb=64)
     sender = sv.ShmstoreSenderCache(cfg)
     r = sv.ShmstoreReceiverCache(cfg)
@@ -380,8 +379,12 @@ def test_workers_register_with_cuda_on_the_device_of_their_first_read_not_at_sta
     initialised[0] = True  # vLLM's init_device ran
     r.get_and_update_item(markers["b"], "b")
     assert r.cuda_device_known.is_set() and r.cuda_device == 3
-    assert registered.wait(120), "the worker never registered"
-    assert calls == [(True, 3)]
+    for t in threading.enumerate():
+        if t.name == "shmstore-cuda-register":
+            t.join(120)
+    assert calls == [(True, 3)] and r.cuda_registered
+    assert any("registered the store's" in m and "on cuda:3" in m for m in caplog.messages), (
+        caplog.messages)
     sender.close()
 
 

@@ -12,6 +12,7 @@ import collections
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -225,9 +226,14 @@ def register_with_cuda(store, device: int | None = None) -> bool:
     if not _cuda_wanted():
         return False
     read_only = os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0"
+    start = time.monotonic()
     try:
         cuda.register(store, read_only=read_only, device=device)
     except Exception as e:  # noqa: BLE001 - any failure means "not registered"
         logger.warning("shmstore: %s (see docs/vllm.md, \"GPU copies\")", e)
         return False
+    logger.info(
+        "shmstore: this worker registered the store's %.1f GiB heap with CUDA%s in %.2f s: "
+        "its items go to the GPU by direct DMA", store.heap_region[1] / (1 << 30),
+        "" if device is None else f" on cuda:{device}", time.monotonic() - start)
     return True
