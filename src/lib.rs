@@ -46,6 +46,8 @@ mod alloc;
 #[cfg(not(loom))]
 mod capacity;
 mod client;
+#[cfg(not(loom))]
+mod copy;
 mod error;
 mod id;
 pub mod item;

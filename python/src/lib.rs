@@ -1027,9 +1027,10 @@ fn put_item_buffers<'py>(
             None => s.create_object(&id, plan.total_len)?,
             Some(t) => s.create_object_wait(&id, plan.total_len, Duration::from_secs_f64(t))?,
         };
-        c[..plan.header.len()].copy_from_slice(&plan.header);
+        c.write_at(0, &plan.header);
         for (buf, &(off, n)) in bufs.iter().zip(&plan.placements) {
-            c[off as usize..(off + n) as usize].copy_from_slice(buf.as_slice());
+            debug_assert_eq!(buf.as_slice().len() as u64, n);
+            c.write_at(off as usize, buf.as_slice());
         }
         c.seal()?;
         if !pin {

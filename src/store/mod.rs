@@ -169,7 +169,7 @@ impl Store {
     pub fn put_without_slow_work(&self, id: &ObjectId, bytes: &[u8], meta: &[u8]) -> Result<bool> {
         match self.start_object(id, bytes.len() as u64, meta, Work::QuickOnly)? {
             Some(mut c) => {
-                c.copy_from_slice(bytes);
+                c.write_at(0, bytes);
                 c.seal().map(|()| true)
             }
             None => Ok(false),
@@ -326,7 +326,7 @@ impl Store {
     /// ```
     pub fn put_with_meta(&self, id: &ObjectId, bytes: &[u8], meta: &[u8]) -> Result<()> {
         let mut c = self.create_object_with_meta(id, bytes.len() as u64, meta)?;
-        c.copy_from_slice(bytes);
+        c.write_at(0, bytes);
         c.seal()
     }
 
