@@ -72,7 +72,7 @@ fn engine() -> Result<(), Box<dyn std::error::Error>> {
         }
         let t = Instant::now();
         let mut c = store.create_object(&id, len as u64)?;
-        c.copy_from_slice(&bytes);
+        c.write_at(0, &bytes);
         c.seal()?;
         let put = t.elapsed();
         let want = checksum(&bytes);
