@@ -38,7 +38,9 @@ Settings (environment):
   write to a cached tensor faults instead of changing it for everyone).
 * ``SHMSTORE_VLLM_CUDA_REGISTER=auto|1|0``: register the store's heap with CUDA in each
   worker (``cudaHostRegister``), so ``.to("cuda", non_blocking=True)`` from a view is a
-  direct DMA instead of a staged copy. ``auto`` (default) registers when a GPU is there.
+  direct DMA instead of a staged copy (at the DMA floor on an H200: docs/vllm.md, "GPU
+  copies"). ``auto`` (default) registers when a GPU is there, on a background thread, on
+  the worker's own GPU once its first read finds CUDA up.
 * ``SHMSTORE_VLLM_SOURCE_NODE``: with Ray's executor (``--distributed-executor-backend
   ray``, several nodes), the Ray node id of the front-end's machine (default: Ray's head
   node, where ``vllm serve`` runs). Workers on other nodes read items from their node's
