@@ -143,6 +143,10 @@ class Creation:
     @property
     def id(self) -> bytes:
         """The object's 32-byte id."""
+    def write(self, data: Buffer, offset: int = 0) -> None:
+        """Copies ``data`` (any C-contiguous buffer) into the object at byte ``offset``,
+        without the GIL; copies of 2 MiB and more stream past this core's caches.
+        ValueError if it does not fit, or if ``data`` is the object's own memory."""
     def seal(self) -> None:
         """Publishes the object (getters blocked on it wake up)."""
     def abort(self) -> None:

@@ -613,7 +613,10 @@ class _Bridge:
         try:
             if data is None:
                 raise RuntimeError("no bytes")
-            c.buffer[:] = memoryview(data).cast("B")
+            mv = memoryview(data)
+            if mv.nbytes != len(c):
+                raise ValueError(f"{mv.nbytes} bytes came for an object of {len(c)}")
+            c.write(mv)  # without the GIL, streamed past the cache when large
             c.seal()
             with self.lock:
                 self.counts["fetched"] += 1

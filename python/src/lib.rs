@@ -504,6 +504,35 @@ impl PyCreation {
         PyBytes::new(py, self.id.as_bytes())
     }
 
+    /// Copies `data` (any C-contiguous buffer: bytes, a numpy array, a memoryview) into
+    /// the object at byte `offset`, without the GIL. Copies of 2 MiB and more stream past
+    /// this core's caches: the object is for other processes. ValueError if it does not
+    /// fit, or if `data` is the object's own memory.
+    #[pyo3(signature = (data, offset=0))]
+    fn write(&mut self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
+        let buf = RawBuf::get(data)?;
+        let src = buf.as_slice();
+        let len = self.len;
+        if offset.checked_add(src.len()).is_none_or(|end| end > len) {
+            return Err(PyValueError::new_err(format!(
+                "{} bytes at offset {offset} do not fit the object's {len} bytes",
+                src.len()
+            )));
+        }
+        let c = self.c.as_mut().ok_or_else(|| {
+            PyValueError::new_err("this creation was already sealed or aborted")
+        })?;
+        c.writable_here().map_err(err)?;
+        let (obj, from) = (c.as_ptr() as usize, src.as_ptr() as usize);
+        if !src.is_empty() && from < obj + len && obj < from + src.len() {
+            return Err(PyValueError::new_err(
+                "the data to write is the object's own memory: copy it elsewhere first",
+            ));
+        }
+        py.detach(|| c.write_at(offset, src));
+        Ok(())
+    }
+
     /// Publishes the object (getters blocked on it wake up).
     fn seal(&mut self) -> PyResult<()> {
         self.finish(true)

@@ -82,6 +82,26 @@ def test_create_seals_on_exit_and_aborts_on_exception(store):
     store.put("d", b"ok")
 
 
+def test_write_copies_any_buffer_at_an_offset_and_refuses_what_does_not_fit(store):
+    big = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8)  # streamed
+    c = store.create_object("wr", 16 + big.nbytes)
+    c.write(b"head")
+    c.write(np.arange(3, dtype=np.int32), offset=4)  # 12 bytes, any format
+    c.write(big, offset=16)
+    with pytest.raises(ValueError, match="do not fit"):
+        c.write(b"x" * 17, offset=len(c) - 16)
+    with pytest.raises(ValueError, match="own memory"):
+        c.write(c.buffer[16:32], offset=0)
+    gc.collect()
+    c.seal()
+    v = store.get("wr", 0)
+    assert bytes(v[:4]) == b"head"
+    assert np.frombuffer(v[4:16], np.int32).tolist() == [0, 1, 2]
+    assert np.array_equal(np.frombuffer(v[16:], np.uint8), big)
+    with pytest.raises(ValueError, match="already sealed"):
+        c.write(b"late")
+
+
 def test_seal_refuses_while_a_writable_buffer_is_alive(store):
     c = store.create_object("w", 16)
     arr = np.frombuffer(c.buffer, dtype=np.uint8)
