@@ -37,6 +37,18 @@ pub(crate) fn meta_value(v: &Bound<'_, PyAny>) -> PyResult<MetaValue> {
     )))
 }
 
+/// An item's metadata from a Python dict of str keys.
+fn item_meta(meta: &Bound<'_, PyDict>) -> PyResult<Vec<(String, MetaValue)>> {
+    let mut m = Vec::with_capacity(meta.len());
+    for (k, v) in meta.iter() {
+        let k: String = k
+            .extract()
+            .map_err(|_| PyTypeError::new_err("item metadata keys are str"))?;
+        m.push((k, meta_value(&v)?));
+    }
+    Ok(m)
+}
+
 pub(crate) fn meta_object(py: Python<'_>, v: &MetaValue) -> PyResult<Py<PyAny>> {
     Ok(match v {
         MetaValue::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
@@ -86,13 +98,7 @@ pub(crate) fn put_item_buffers<'py>(
         });
         bufs.push(RawBuf::get(&obj)?);
     }
-    let mut m = Vec::with_capacity(meta.len());
-    for (k, v) in meta.iter() {
-        let k: String = k
-            .extract()
-            .map_err(|_| PyTypeError::new_err("item metadata keys are str"))?;
-        m.push((k, meta_value(&v)?));
-    }
+    let m = item_meta(meta)?;
     let plan = item::plan(&specs, &m).map_err(err)?;
     for ((spec, buf), (_, n)) in specs.iter().zip(&bufs).zip(&plan.placements) {
         if buf.as_slice().len() as u64 != *n {
@@ -149,13 +155,7 @@ pub(crate) fn plan_item<'py>(
             shape,
         });
     }
-    let mut m = Vec::with_capacity(meta.len());
-    for (k, v) in meta.iter() {
-        let k: String = k
-            .extract()
-            .map_err(|_| PyTypeError::new_err("item metadata keys are str"))?;
-        m.push((k, meta_value(&v)?));
-    }
+    let m = item_meta(meta)?;
     let plan = item::plan(&specs, &m).map_err(err)?;
     let placements = PyList::empty(py);
     for (off, n) in &plan.placements {
