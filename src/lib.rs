@@ -98,3 +98,30 @@ pub use store::{
 pub fn after_fork_in_child() {
     liveness::note_fork();
 }
+
+/// Leaves every store this process has attached the way an exiting process leaves them,
+/// now: the locks that show other processes this one is alive are released, so they see it
+/// as gone (and reclaim its pins at their next recovery), and [`Store::remove_if_unused`]
+/// can remove a store nobody else uses, even while handles of this process are still
+/// alive somewhere (held by a cycle, a global, or a thread that outlives the interpreter).
+///
+/// Call it only when the process is about to exit (an exit hook): its handles stay
+/// mapped, but this process no longer pins or unpins through them, and using one again
+/// attaches this process anew as a new client. The vLLM plugin's exit hook calls it before
+/// removing the instance's store, because vLLM kills its workers at shutdown and never
+/// drops the front-end's handle.
+///
+/// ```
+/// use shmstore::{Store, StoreConfig};
+/// let s = Store::create(&format!("doc-leave-{}", std::process::id()), &StoreConfig::with_capacity(1 << 20))?;
+/// let path = s.path().unwrap().to_path_buf();
+/// std::mem::forget(s); // a handle that is never dropped keeps the store in use
+/// assert!(!Store::remove_if_unused(&path)?);
+/// shmstore::leave_all_at_exit();
+/// assert!(Store::remove_if_unused(&path)?);
+/// # Ok::<(), shmstore::Error>(())
+/// ```
+#[cfg(not(loom))]
+pub fn leave_all_at_exit() {
+    liveness::note_fork();
+}

@@ -126,6 +126,20 @@ fn child_entry() {
             say("freed raw");
             let _ = hear();
         }
+        // Pin args[1], leave every store as at exit when told, then read the pinned bytes,
+        // drop every handle (which must neither unpin nor detach any more) and exit.
+        "pin-then-leave" => {
+            let v = store.try_get(&id(&args[1])).unwrap();
+            say("pinned");
+            let _ = hear();
+            shmstore::leave_all_at_exit();
+            say("left");
+            let _ = hear();
+            say(format!("still reads {}", v.len()));
+            drop((v, store));
+            say("dropped");
+            let _ = hear();
+        }
         // Attach and exit cleanly when told.
         "attach" => {
             say("attached");
@@ -277,6 +291,46 @@ fn a_store_can_remove_itself_when_its_last_client_leaves() {
     // child, sees nobody left, and removes the file.
     drop(Store::open_path(&c.0).unwrap());
     assert!(!c.0.exists(), "the store should be gone");
+}
+
+#[test]
+fn a_process_that_leaves_at_exit_no_longer_keeps_the_store_in_use() {
+    // vLLM kills its workers at shutdown and its front-end exits with its handle still
+    // alive: the front-end's exit hook leaves, and then the last one out removes the file.
+    let (store, c) = new_store("leave-at-exit", StoreConfig::with_capacity(1 << 20));
+    let id = ObjectId::of_key("pinned");
+    store.put(&id, b"abcd").unwrap();
+    let mut p = child("pin-then-leave", &store, &[id.to_string()]);
+    assert_eq!(p.recv(), "pinned");
+    assert_eq!(store.stats().pins, 1);
+    drop(store);
+    assert!(
+        !Store::remove_if_unused(&c.0).unwrap(),
+        "the child is attached"
+    );
+    p.send("leave");
+    assert_eq!(p.recv(), "left");
+    // The child still runs, but no longer counts as attached.
+    assert!(p.child.try_wait().unwrap().is_none());
+    let again = Store::open_path(&c.0).unwrap();
+    let st = again.stats();
+    assert_eq!(
+        (st.clients, st.pins),
+        (1, 0),
+        "the child's pin was reclaimed: {st:?}"
+    );
+    // Its handles still map the memory, and dropping them changes nothing here.
+    p.send("read");
+    assert_eq!(p.recv(), "still reads 4");
+    assert_eq!(p.recv(), "dropped");
+    let st = again.stats();
+    assert_eq!((st.clients, st.pins), (1, 0), "{st:?}");
+    again.check_invariants().unwrap();
+    drop(again);
+    assert!(Store::remove_if_unused(&c.0).unwrap());
+    assert!(!c.0.exists());
+    p.send("exit");
+    p.finish();
 }
 
 #[test]

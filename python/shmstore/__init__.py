@@ -44,6 +44,7 @@ from ._native import (
     __version__,
     content_id,
     key_id,
+    leave_all_at_exit,
     _after_fork_in_child,
 )
 from .items import get_item, put_item
@@ -85,5 +86,6 @@ __all__ = [
     "content_id",
     "get_item",
     "key_id",
+    "leave_all_at_exit",
     "put_item",
 ]

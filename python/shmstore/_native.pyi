@@ -38,6 +38,7 @@ __all__ = [
     "content_id",
     "decode_item",
     "key_id",
+    "leave_all_at_exit",
     "plan_item",
     "put_item_buffers",
 ]
@@ -271,3 +272,8 @@ def key_id(key: str) -> bytes:
     """The 32-byte id a str key maps to."""
 
 def _after_fork_in_child() -> None: ...
+def leave_all_at_exit() -> None:
+    """Leaves every store this process attached as an exiting process leaves them, now:
+    other processes see it as gone, so ``Store.remove_if_unused`` can remove a store while
+    handles of this process are still alive. For exit hooks only: views already made keep
+    their bytes mapped but no longer pin them, and using a handle again attaches anew."""

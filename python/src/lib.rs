@@ -24,7 +24,7 @@
 //!
 //! One module per concept: `errors` (the exception classes), `ids` (ids from Python),
 //! `waits` (timeouts and signal-checked blocking waits), `buffers` (holding a Python
-//! buffer's bytes, counting exports), `view` (`View` and the fork handler), `creation`
+//! buffer's bytes, counting exports), `view` (`View`, the fork handler, leaving at exit), `creation`
 //! (`Creation`), `store` (`Store` and its operations), `items` (tensor items and their
 //! metadata).
 
@@ -52,6 +52,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ids::content_id, m)?)?;
     m.add_function(wrap_pyfunction!(ids::key_id, m)?)?;
     m.add_function(wrap_pyfunction!(view::_after_fork_in_child, m)?)?;
+    m.add_function(wrap_pyfunction!(view::leave_all_at_exit, m)?)?;
     errors::add_to(m)?;
     Ok(())
 }

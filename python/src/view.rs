@@ -1,5 +1,6 @@
 //! [`PyView`]: a sealed object, pinned while it lives, exporting its bytes read-only; and
-//! the fork handler that pins every live view again in a forked child.
+//! the fork handler that pins every live view again in a forked child; leaving every
+//! store at exit.
 
 use crate::errors::err;
 use pyo3::exceptions::PyBufferError;
@@ -35,6 +36,15 @@ pub(crate) fn _after_fork_in_child() {
         let v = unsafe { &*(addr as *const View) };
         let _ = v.adopt();
     }
+}
+
+/// Leaves every store this process attached as an exiting process leaves them, now
+/// (`shmstore::leave_all_at_exit`): other processes see it as gone, so the last one out
+/// can remove a store while handles of this process are still alive. For exit hooks only:
+/// views already made keep their bytes mapped, but no longer pin them.
+#[pyfunction]
+pub(crate) fn leave_all_at_exit() {
+    shmstore::leave_all_at_exit();
 }
 
 /// A sealed object, pinned for as long as this object lives. Exports its bytes read-only

@@ -194,3 +194,32 @@ def test_a_creation_fills_in_what_the_buffer_consumer_asks_for(store):
     finally:
         release(ctypes.byref(b))
     c.abort()
+
+
+def test_leave_all_at_exit_lets_the_last_process_remove_a_store_it_still_holds(store_name):
+    # A process whose handles outlive its interpreter (a cycle, a thread, a global) still
+    # counts as attached until it is gone; an exit hook that leaves first lets it remove
+    # the store itself. The child reads through its view after leaving: still mapped.
+    child = spawn_python(
+        """
+        import sys, shmstore
+        s = shmstore.Store.create(sys.argv[1], 1 << 20)
+        s.put("k", b"pixels")
+        view = s.get("k")
+        keep = [s, view]; keep.append(keep)
+        path = s.path
+        print(shmstore.Store.remove_if_unused(path), flush=True)
+        shmstore.leave_all_at_exit()
+        print(shmstore.Store.remove_if_unused(path), bytes(view), flush=True)
+        sys.stdin.readline()
+        """,
+        store_name,
+    )
+    try:
+        assert child.stdout.readline().split() == ["False"]
+        assert child.stdout.readline().split() == ["True", "b'pixels'"]
+        assert not os.path.exists(f"/dev/shm/{store_name}")
+    finally:
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(60) == 0
