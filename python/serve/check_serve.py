@@ -1,0 +1,265 @@
+"""End to end through ``vllm serve``: a real vLLM server (OpenAI API, front-end, engine
+core, worker) serving a tiny Qwen2-VL model (``tiny_model.py``), once with vLLM's own
+``shm`` multimodal cache and then with shmstore's, and checks what an operator would:
+
+* the answers are the same, token for token and log-probability for log-probability
+  (images first sent, then hits, and a request with two images); different images give
+  different answers, so the check sees the pixels the worker got;
+* with shmstore, the instance's store holds each image once, vLLM counts the hits, and
+  the store is gone after the server shuts down (Ctrl-C), with nothing left in /dev/shm;
+* with two API servers (``--api-server-count 2``), where vLLM switches its own cache
+  off, shmstore's is used: the same answers, each image stored once, hits counted.
+
+    python check_serve.py MODEL_DIR [--only vllm,shmstore,shmstore-2-api]
+
+Exit status 0 when every check holds. Prints one line per configuration, with the time
+to first answer and the mean request latency (a tiny model on a CPU: the figures say
+that the path works, not how fast it is on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+from PIL import Image
+
+import shmstore
+
+# (seed, width, height): three shapes, so the items differ in size as well as content.
+IMAGES = {1: (224, 168), 2: (280, 280), 3: (112, 336), 4: (168, 224)}
+# Each request: the images it carries. First sends, then hits, then two in one request.
+REQUESTS = [[1], [2], [3], [1], [2], [3], [4, 1], [4]]
+
+
+def image_url(seed: int) -> str:
+    w, h = IMAGES[seed]
+    pixels = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, timeout: float = 300) -> bytes:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
+
+
+class Server:
+    """One ``vllm serve`` process group, its log in a temporary file."""
+
+    def __init__(self, model: str, shm_dir: str, use_shmstore: bool, extra: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model
+        env = dict(os.environ)
+        env.update(
+            VLLM_TARGET_DEVICE="cpu",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            SHMSTORE_VLLM_DIR=shm_dir,
+            PYTHONUNBUFFERED="1",
+        )
+        env.pop("SHMSTORE_VLLM_STORE", None)
+        if use_shmstore:
+            env["SHMSTORE_VLLM"] = "1"
+        else:
+            env.pop("SHMSTORE_VLLM", None)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log")
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+            "--port", str(self.port), "--host", "127.0.0.1",
+            "--mm-processor-cache-type", "shm", "--mm-processor-cache-gb", "1",
+            "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager",
+            "--max-num-seqs", "4", "--limit-mm-per-prompt", '{"image": 2}', *extra,
+        ]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.started = time.monotonic()
+
+    def wait_ready(self, limit: float = 600) -> float:
+        deadline = self.started + limit
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                http(self.url + "/health", timeout=5)
+                return time.monotonic() - self.started
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.5)  # polling a server that is loading: no event to wait on
+        raise RuntimeError(f"vllm serve not ready after {limit:.0f} s:\n{self.tail()}")
+
+    def chat(self, seeds: list[int]) -> tuple[list, float]:
+        content = [{"type": "image_url", "image_url": {"url": image_url(s)}} for s in seeds]
+        content.append({"type": "text", "text": "What is in the picture?"})
+        body = {
+            "model": self.model, "max_tokens": 6, "temperature": 0, "logprobs": True,
+            "top_logprobs": 3, "messages": [{"role": "user", "content": content}],
+        }
+        t = time.monotonic()
+        out = json.loads(http(self.url + "/v1/chat/completions", body))
+        took = time.monotonic() - t
+        steps = out["choices"][0]["logprobs"]["content"]
+        answer = [(s["token"], s["logprob"], [(a["token"], a["logprob"]) for a in s["top_logprobs"]])
+                  for s in steps]
+        return answer, took
+
+    def metric(self, name: str) -> float | None:
+        text = http(self.url + "/metrics").decode()
+        total = None
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self, limit: float = 120) -> int:
+        """Ctrl-C, as an operator stops it; then the whole group, if it lingers."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            return self.proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise RuntimeError(f"vllm serve did not stop within {limit:.0f} s:\n{self.tail()}")
+        finally:
+            # Whatever the group left running (nothing, normally) goes too.
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def tail(self, n: int = 60) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return "".join(self.log.readlines()[-n:])
+
+    def lines(self, needle: str) -> list[str]:
+        self.log.flush()
+        self.log.seek(0)
+        return [line.rstrip() for line in self.log if needle in line]
+
+
+def stores(shm_dir: str) -> list[str]:
+    return sorted(n for n in os.listdir(shm_dir) if n.startswith("shmstore-vllm-"))
+
+
+def run(config: str, model: str, shm_dir: str) -> dict:
+    use = config != "vllm"
+    extra = {
+        "shmstore-2-api": ["--api-server-count", "2"],
+        "shmstore-dp-2": ["--data-parallel-size", "2"],
+    }.get(config, [])
+    server = Server(model, shm_dir, use, extra)
+    result: dict = {"config": config}
+    try:
+        result["ready_s"] = server.wait_ready()
+        answers, times = [], []
+        for seeds in REQUESTS:
+            a, took = server.chat(seeds)
+            answers.append(a)
+            times.append(took)
+        result["answers"] = answers
+        result["first_ms"] = times[0] * 1e3
+        result["mean_ms"] = sum(times) / len(times) * 1e3
+        result["hits"] = server.metric("vllm:mm_cache_hits_total")
+        result["queries"] = server.metric("vllm:mm_cache_queries_total")
+        found = stores(shm_dir)
+        result["stores_running"] = found
+        if use and len(found) == 1:
+            st = shmstore.Store.open(os.path.join(shm_dir, found[0]), read_only=True).stats()
+            result["objects"] = st["objects"]
+        result["shmstore_lines"] = server.lines("shmstore:")
+    finally:
+        result["exit"] = server.stop()
+        result["stores_after"] = stores(shm_dir)
+        result["log"] = server.tail()
+        server.log.close()
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--only", default="vllm,shmstore,shmstore-dp-2",
+                    help="configurations, comma-separated (also: shmstore-2-api)")
+    ap.add_argument("--verbose", action="store_true", help="print the plugin's log lines")
+    args = ap.parse_args()
+    configs = args.only.split(",")
+    failures: list[str] = []
+
+    def check(ok: bool, what: str) -> None:
+        print(f"  {'ok  ' if ok else 'FAIL'} {what}")
+        if not ok:
+            failures.append(what)
+
+    # A directory of its own: leftovers are this run's, and no other store is touched.
+    with tempfile.TemporaryDirectory(prefix="shmstore-serve-", dir="/dev/shm") as shm_dir:
+        results = {}
+        for config in configs:
+            r = run(config, os.path.abspath(args.model), shm_dir)
+            results[config] = r
+            print(f"{config}: ready in {r['ready_s']:.1f} s; first request "
+                  f"{r['first_ms']:.0f} ms, mean {r['mean_ms']:.0f} ms over "
+                  f"{len(REQUESTS)} requests; vLLM counts {r['hits']} hits of "
+                  f"{r['queries']} items")
+            if args.verbose:
+                print("\n".join(r["shmstore_lines"]))
+            distinct = len({s for req in REQUESTS for s in req})
+            items = sum(len(req) for req in REQUESTS)
+            answers = r["answers"]
+            check(answers[0] != answers[1] and answers[1] != answers[2],
+                  "different images give different answers")
+            check(answers[3] == answers[0] and answers[4] == answers[1]
+                  and answers[5] == answers[2], "an image sent again gets the same answer")
+            if config == "shmstore":
+                check(r["queries"] == items and r["hits"] == items - distinct,
+                      f"vLLM counts {items - distinct} hits of {items} items")
+            elif config != "vllm":
+                # Each front-end keeps its own prompt updates, so an image another
+                # front-end stored first is a hit or not depending on which one got it.
+                check(r["queries"] == items and 0 < (r["hits"] or 0) <= items - distinct,
+                      f"vLLM counts hits across the front-ends (at most {items - distinct} "
+                      f"of {items} items)")
+            if config != "vllm":
+                check(r["stores_running"] and r.get("objects") == distinct,
+                      f"the instance's one store holds each of the {distinct} images once "
+                      f"(found {r['stores_running']}, {r.get('objects')} objects)")
+                check(any("multimodal cache in" in line for line in r["shmstore_lines"]),
+                      "the log names the store")
+            if "vllm" in results and config != "vllm":
+                check(answers == results["vllm"]["answers"],
+                      "the same answers as vLLM's own cache, log-probabilities included")
+            check(r["exit"] == 0, f"vllm serve exits cleanly on Ctrl-C (status {r['exit']})")
+            check(r["stores_after"] == [],
+                  f"nothing is left in the store directory after shutdown ({r['stores_after']})")
+            if failures:
+                print(r["log"])
+                break
+    if failures:
+        print(f"{len(failures)} check(s) failed")
+        return 1
+    print("every check passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
