@@ -1,16 +1,20 @@
 """End to end through ``vllm serve``: a real vLLM server (OpenAI API, front-end, engine
-core, worker) serving a tiny Qwen2-VL model (``tiny_model.py``), once with vLLM's own
-``shm`` multimodal cache and then with shmstore's, and checks what an operator would:
+core, worker) serving a tiny Qwen2-VL model (``tiny_model.py``), with vLLM's own ``shm``
+multimodal cache and then with shmstore's, checking what an operator would see:
 
 * the answers are the same, token for token and log-probability for log-probability
   (images first sent, then hits, and a request with two images); different images give
   different answers, so the check sees the pixels the worker got;
-* with shmstore, the instance's store holds each image once, vLLM counts the hits, and
-  the store is gone after the server shuts down (Ctrl-C), with nothing left in /dev/shm;
-* with two API servers (``--api-server-count 2``), where vLLM switches its own cache
-  off, shmstore's is used: the same answers, each image stored once, hits counted.
+* with shmstore (``shmstore``), the instance's store holds each image once, vLLM counts
+  the hits, ``/metrics`` shows the store, the log names it once, and it is gone after the
+  server shuts down (Ctrl-C), with nothing left in its directory;
+* an instance killed with SIGKILL (``shmstore-killed``) leaves its store behind, and the
+  next instance's start removes it;
+* with data parallelism (``shmstore-dp-2``: two engines, two API servers), where vLLM
+  switches its own cache off, shmstore's is used: the same answers, each image stored
+  once, hits counted; ``shmstore-2-api`` (one engine, two API servers) on request.
 
-    python check_serve.py MODEL_DIR [--only vllm,shmstore,shmstore-2-api]
+    python check_serve.py MODEL_DIR [--only vllm,shmstore,shmstore-killed,shmstore-dp-2]
 
 Exit status 0 when every check holds. Prints one line per configuration, with the time
 to first answer and the mean request latency (a tiny model on a CPU: the figures say
@@ -147,6 +151,11 @@ class Server:
             except ProcessLookupError:
                 pass
 
+    def kill(self) -> int:
+        """A crash: SIGKILL to every process of the instance at once."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.wait(60)
+
     def tail(self, n: int = 60) -> str:
         self.log.flush()
         self.log.seek(0)
@@ -164,6 +173,7 @@ def stores(shm_dir: str) -> list[str]:
 
 def run(config: str, model: str, shm_dir: str) -> dict:
     use = config != "vllm"
+    killed = config == "shmstore-killed"
     extra = {
         "shmstore-2-api": ["--api-server-count", "2"],
         "shmstore-dp-2": ["--data-parallel-size", "2"],
@@ -173,7 +183,8 @@ def run(config: str, model: str, shm_dir: str) -> dict:
     try:
         result["ready_s"] = server.wait_ready()
         answers, times = [], []
-        for seeds in REQUESTS:
+        # A killed instance only needs to have stored something.
+        for seeds in REQUESTS[:2] if killed else REQUESTS:
             a, took = server.chat(seeds)
             answers.append(a)
             times.append(took)
@@ -182,15 +193,16 @@ def run(config: str, model: str, shm_dir: str) -> dict:
         result["mean_ms"] = sum(times) / len(times) * 1e3
         result["hits"] = server.metric("vllm:mm_cache_hits_total")
         result["queries"] = server.metric("vllm:mm_cache_queries_total")
+        result["objects_metric"] = server.metric("shmstore_objects")
         found = stores(shm_dir)
         result["stores_running"] = found
         if use and len(found) == 1:
             st = shmstore.Store.open(os.path.join(shm_dir, found[0]), read_only=True).stats()
             result["objects"] = st["objects"]
-        result["shmstore_lines"] = server.lines("shmstore:")
     finally:
-        result["exit"] = server.stop()
+        result["exit"] = server.kill() if killed else server.stop()
         result["stores_after"] = stores(shm_dir)
+        result["shmstore_lines"] = server.lines("shmstore:")
         result["log"] = server.tail()
         server.log.close()
     return result
@@ -199,8 +211,9 @@ def run(config: str, model: str, shm_dir: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
-    ap.add_argument("--only", default="vllm,shmstore,shmstore-dp-2",
-                    help="configurations, comma-separated (also: shmstore-2-api)")
+    ap.add_argument("--only", default="vllm,shmstore,shmstore-killed,shmstore-dp-2",
+                    help="configurations, comma-separated, in order (also: shmstore-2-api); "
+                    "shmstore-killed is SIGKILLed and the next one must remove its store")
     ap.add_argument("--verbose", action="store_true", help="print the plugin's log lines")
     args = ap.parse_args()
     configs = args.only.split(",")
@@ -212,27 +225,50 @@ def main() -> int:
             failures.append(what)
 
     # A directory of its own: leftovers are this run's, and no other store is touched.
+    distinct = len({s for req in REQUESTS for s in req})
+    items = sum(len(req) for req in REQUESTS)
     with tempfile.TemporaryDirectory(prefix="shmstore-serve-", dir="/dev/shm") as shm_dir:
-        results = {}
+        results: dict[str, dict] = {}
+        left_by_crash: list[str] = []
         for config in configs:
             r = run(config, os.path.abspath(args.model), shm_dir)
             results[config] = r
             print(f"{config}: ready in {r['ready_s']:.1f} s; first request "
                   f"{r['first_ms']:.0f} ms, mean {r['mean_ms']:.0f} ms over "
-                  f"{len(REQUESTS)} requests; vLLM counts {r['hits']} hits of "
+                  f"{len(r['answers'])} requests; vLLM counts {r['hits']} hits of "
                   f"{r['queries']} items")
             if args.verbose:
                 print("\n".join(r["shmstore_lines"]))
-            distinct = len({s for req in REQUESTS for s in req})
-            items = sum(len(req) for req in REQUESTS)
             answers = r["answers"]
-            check(answers[0] != answers[1] and answers[1] != answers[2],
-                  "different images give different answers")
+            baseline = results.get("vllm", {}).get("answers")
+            check(answers[0] != answers[1], "different images give different answers")
+            if config != "vllm" and baseline is not None:
+                check(answers == baseline[:len(answers)],
+                      "the same answers as vLLM's own cache, log-probabilities included")
+            if left_by_crash:
+                # The previous instance was killed: this one's start removes its store.
+                check(not set(left_by_crash) & set(r["stores_running"] + r["stores_after"])
+                      and any("left by crashed vLLM instances" in line and
+                              all(n in line for n in left_by_crash)
+                              for line in r["shmstore_lines"]),
+                      f"the killed instance's store {left_by_crash} is removed at this start")
+                left_by_crash = []
+            if config == "shmstore-killed":
+                left_by_crash = r["stores_after"]
+                check(len(left_by_crash) == 1 and r["stores_after"] == r["stores_running"],
+                      f"a killed instance leaves its store behind ({left_by_crash})")
+                if failures:
+                    print(r["log"])
+                    break
+                continue
             check(answers[3] == answers[0] and answers[4] == answers[1]
                   and answers[5] == answers[2], "an image sent again gets the same answer")
             if config == "shmstore":
                 check(r["queries"] == items and r["hits"] == items - distinct,
                       f"vLLM counts {items - distinct} hits of {items} items")
+                check(r["objects_metric"] == distinct,
+                      f"vLLM's /metrics shows the store's objects (shmstore_objects "
+                      f"{r['objects_metric']})")
             elif config != "vllm":
                 # Each front-end keeps its own prompt updates, so an image another
                 # front-end stored first is a hit or not depending on which one got it.
@@ -240,14 +276,14 @@ def main() -> int:
                       f"vLLM counts hits across the front-ends (at most {items - distinct} "
                       f"of {items} items)")
             if config != "vllm":
-                check(r["stores_running"] and r.get("objects") == distinct,
+                check(bool(r["stores_running"]) and r.get("objects") == distinct,
                       f"the instance's one store holds each of the {distinct} images once "
                       f"(found {r['stores_running']}, {r.get('objects')} objects)")
-                check(any("multimodal cache in" in line for line in r["shmstore_lines"]),
-                      "the log names the store")
-            if "vllm" in results and config != "vllm":
-                check(answers == results["vllm"]["answers"],
-                      "the same answers as vLLM's own cache, log-probabilities included")
+                named = [line for line in r["shmstore_lines"] if "multimodal cache in" in line]
+                check(len(named) == 1 and r["stores_running"][0] in named[0],
+                      "the log names the store, once")
+                check(any("removed this instance's store(s) at exit" in line
+                          for line in r["shmstore_lines"]), "the log says the store was removed")
             check(r["exit"] == 0, f"vllm serve exits cleanly on Ctrl-C (status {r['exit']})")
             check(r["stores_after"] == [],
                   f"nothing is left in the store directory after shutdown ({r['stores_after']})")

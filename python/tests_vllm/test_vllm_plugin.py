@@ -240,18 +240,25 @@ def test_the_plugins_lines_go_where_vllms_go_in_vllms_format(store_env):
         import logging
         import shmstore.vllm as sv
         sv.register()
+        log = logging.getLogger("shmstore.vllm")
+        log.info("shmstore: a line before vLLM set up its logging")
         from vllm import logger as vlog
         vlog._configure_vllm_root_logger()   # what vLLM does once its config is read
-        logging.getLogger("shmstore.vllm").info("shmstore: a line of the plugin")
-        logging.getLogger("shmstore.vllm").debug("shmstore: below vLLM's level")
+        log.info("shmstore: a line of the plugin")
+        log.debug("shmstore: below vLLM's level")
         """,
         {**store_env, "VLLM_LOGGING_STREAM": "ext://sys.stdout", "VLLM_LOGGING_COLOR": "0"},
     )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [line for line in r.stdout.splitlines() if "shmstore: " in line]
-    assert len(lines) == 1 and "INFO" in lines[0] and "a line of the plugin" in lines[0], (
-        r.stdout[-3000:])
-    assert "[test_vllm_plugin" not in lines[0]  # vLLM's format names the calling file
+    # Lines logged before vLLM set up its logging (register's own among them) are kept
+    # and sent, in order, with the first line after; DEBUG stays below vLLM's level.
+    assert len(lines) == 3, r.stdout[-3000:]
+    assert "plugin active" in lines[0] and "[instance.py:" in lines[0], lines
+    assert "a line before vLLM set up its logging" in lines[1], lines
+    assert "a line of the plugin" in lines[2] and "[<string>:" in lines[2], lines
+    # vLLM's format: process, pid, level, the file and line that logged.
+    assert all("pid=" in line and " INFO " in line for line in lines), lines
 
 
 def test_at_exit_a_store_another_live_process_uses_is_left_to_it(store_env):

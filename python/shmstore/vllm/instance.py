@@ -244,15 +244,37 @@ def _export_metrics(store: _native.Store) -> None:
 class _ToVllmLogging(logging.Handler):
     """Hands each record to the ``vllm`` logger's handlers as they are when it is logged
     (vLLM configures them late, and again per process), so the plugin's lines look like
-    vLLM's. Before vLLM has any, a warning goes where Python's default would send it."""
+    vLLM's. Lines logged before vLLM has any (the launcher loads plugins, and removes
+    stores of crashed instances, before vLLM sets up its logging) wait, up to
+    ``_PENDING_MAX``, and go out with the next line after it has; a warning goes at once
+    where Python's default would send it."""
+
+    _PENDING_MAX = 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         theirs = logging.getLogger("vllm")
         if theirs.handlers:
+            pending, self._pending = self._pending, []
+            for early in pending:
+                theirs.handle(_rebuilt(early))
             theirs.handle(record)
-        elif not logging.getLogger().handlers and logging.lastResort is not None:
-            if record.levelno >= logging.lastResort.level:
+        elif record.levelno >= logging.WARNING:
+            if not logging.getLogger().handlers and logging.lastResort is not None:
                 logging.lastResort.handle(record)
+        elif len(self._pending) < self._PENDING_MAX:
+            self._pending.append(record)
+
+
+def _rebuilt(record: logging.LogRecord) -> logging.LogRecord:
+    """The record made again by the current record factory, which vLLM replaces with one
+    that adds the fields its format names (a record made before that lacks them)."""
+    return logging.getLogRecordFactory()(
+        record.name, record.levelno, record.pathname, record.lineno, record.msg,
+        record.args, record.exc_info, record.funcName, record.stack_info)
 
 
 def use_vllm_logging() -> None:
