@@ -81,7 +81,7 @@ def build(out: Path) -> None:
             num_hidden_layers=2,
             num_attention_heads=2,
             num_key_value_heads=1,
-            max_position_embeddings=4096,
+            max_position_embeddings=32768,
             rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]},
             tie_word_embeddings=False,
             bos_token_id=ids["<|endoftext|>"],
@@ -112,7 +112,9 @@ def build(out: Path) -> None:
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
-    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=448 * 448)
+    # Up to 1344 x 1344 pixels (2304 tokens), so that `check_serve.py --scale` can send
+    # images of realistic size (a 1344 x 1008 image is 24 MiB of float32 patches).
+    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=1344 * 1344)
     processor = Qwen2VLProcessor(
         image_processor=image_processor,
         tokenizer=tok,

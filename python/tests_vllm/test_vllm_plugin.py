@@ -144,10 +144,23 @@ def test_another_vllm_release_is_hooked_with_a_warning(store_env):
         print(type(s).__name__)
         s.close()
         """,
-        store_env,
+        {**store_env, "SHMSTORE_VLLM_STORE": ""},            # the instance's launcher
     )
     assert r.stdout.strip().endswith("ShmstoreSenderCache"), r.stderr[-3000:]
-    assert f"this is vLLM 0.35.1; the plugin is written and tested for vLLM {sv.TESTED_VLLM}" in r.stderr
+    warning = f"this is vLLM 0.35.1; the plugin is written and tested for vLLM {sv.TESTED_VLLM}"
+    assert warning in r.stderr, r.stderr[-3000:]
+    # The processes it starts (which inherit the store's name) do not repeat it.
+    r = run(
+        """
+        import logging
+        logging.basicConfig(level=logging.INFO)
+        import shmstore.vllm as sv
+        sv.vllm_version = lambda: "0.35.1"
+        sv.register()
+        """,
+        store_env,
+    )
+    assert r.returncode == 0 and warning not in r.stderr, r.stderr[-3000:]
 
 
 def test_multi_node_setups_without_ray_keep_vllms_cache_unless_forced(store_env, monkeypatch):

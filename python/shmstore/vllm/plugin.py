@@ -79,13 +79,16 @@ def register() -> None:
     if getattr(factories, "_shmstore_patched", False):
         return
     use_vllm_logging()
+    # The first process of the instance (the launcher) has no store name yet: it speaks
+    # for the instance (the processes it starts would repeat its warning).
+    launcher = not os.environ.get("SHMSTORE_VLLM_STORE")  # empty counts as unset
     version = vllm_version()
-    if version != TESTED_VLLM:
+    if version != TESTED_VLLM and launcher:
         logger.warning(
             "shmstore: this is vLLM %s; the plugin is written and tested for vLLM %s. It "
             "hooks in the same way; if workers report missing items or vLLM fails, unset "
             "SHMSTORE_VLLM or install vllm==%s", version, TESTED_VLLM, TESTED_VLLM)
-    if not os.environ.get("SHMSTORE_VLLM_STORE"):  # empty counts as unset, as in store_name
+    if launcher:
         # The first process of the instance (the launcher): name the store for every
         # process it starts, clean up after instances that crashed, and remove this
         # instance's store when it exits.
