@@ -8,7 +8,8 @@ multimodal cache and then with shmstore's, checking what an operator would see:
 * with shmstore (``shmstore``), the instance's store holds each image once, vLLM counts
   the hits, ``/metrics`` shows the store, the log names it once, and it is gone after the
   server shuts down (Ctrl-C), with nothing left in its directory;
-* an instance killed with SIGKILL (``shmstore-killed``) leaves its store behind, and the
+* an instance with spawned workers (``shmstore-killed``; the others fork them, vLLM's
+  default) gives the same answers, and killed with SIGKILL, leaves its store behind; the
   next instance's start removes it;
 * with data parallelism (``shmstore-dp-2``: two engines, two API servers), where vLLM
   switches its own cache off, shmstore's is used: the same answers, each image stored
@@ -75,7 +76,8 @@ def http(url: str, body: dict | None = None, timeout: float = 300) -> bytes:
 class Server:
     """One ``vllm serve`` process group, its log in a temporary file."""
 
-    def __init__(self, model: str, shm_dir: str, use_shmstore: bool, extra: list[str]):
+    def __init__(self, model: str, shm_dir: str, use_shmstore: bool, extra: list[str],
+                 start_method: str = "fork"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
@@ -85,6 +87,7 @@ class Server:
             VLLM_CPU_KVCACHE_SPACE="1",
             SHMSTORE_VLLM_DIR=shm_dir,
             PYTHONUNBUFFERED="1",
+            VLLM_WORKER_MULTIPROC_METHOD=start_method,
         )
         env.pop("SHMSTORE_VLLM_STORE", None)
         if use_shmstore:
@@ -192,7 +195,8 @@ def run(config: str, model: str, shm_dir: str) -> dict:
         "shmstore-2-api": ["--api-server-count", "2"],
         "shmstore-dp-2": ["--data-parallel-size", "2"],
     }.get(config, [])
-    server = Server(model, shm_dir, use, extra)
+    # Workers forked (vLLM's default), and spawned in the instance that is killed.
+    server = Server(model, shm_dir, use, extra, "spawn" if killed else "fork")
     result: dict = {"config": config}
     try:
         result["ready_s"] = server.wait_ready()
