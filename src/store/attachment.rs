@@ -226,8 +226,13 @@ impl Drop for Inner {
         // SAFETY: a published binding stays allocated until this drop.
         let b = unsafe { &*p };
         if !b.current() {
-            // Inherited from the parent, never rebound here: the slot is the parent's,
-            // and so is the box (our copy of its memory is simply left).
+            // Inherited from the parent and never rebound here, or left at exit
+            // (`leave_all_at_exit`): the slot is not ours to release. Our copy of the box
+            // is ours to free: no handle remains, so no thread holds a reference into it,
+            // and its lock file closes nothing from another generation.
+            // SAFETY: the box was leaked by `bind` (here or in the parent, whose heap this
+            // process copied) and is freed only here.
+            drop(unsafe { Box::from_raw(p) });
             return;
         }
         let remove = self.sb.flags & FLAG_REMOVE_WHEN_UNUSED != 0;
