@@ -220,6 +220,7 @@ def run(config: str, model: str, shm_dir: str) -> dict:
         if use and len(found) == 1:
             st = shmstore.Store.open(os.path.join(shm_dir, found[0]), read_only=True).stats()
             result["objects"] = st["objects"]
+            result["clients"] = st["clients"] - 1  # this process is one
     finally:
         result["exit"] = server.kill() if killed else server.stop()
         result["stores_after"] = stores(shm_dir)
@@ -308,6 +309,11 @@ def main() -> int:
                       f"vLLM counts hits across the front-ends (at most {items - distinct} "
                       f"of {items} items)")
             if config != "vllm":
+                # Each API server writes, each worker reads: the engine core does not attach.
+                processes = 4 if config == "shmstore-dp-2" else 3 if config == "shmstore-2-api" else 2
+                check(r.get("clients") == processes,
+                      f"the front-ends and workers attached themselves ({processes} processes: "
+                      f"found {r.get('clients')})")
                 check(bool(r["stores_running"]) and r.get("objects") == distinct,
                       f"the instance's one store holds each of the {distinct} images once "
                       f"(found {r['stores_running']}, {r.get('objects')} objects)")

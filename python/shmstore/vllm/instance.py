@@ -126,9 +126,10 @@ def _remove_instance_stores(launcher: int) -> list[str]:
         logger.info("shmstore: removed this instance's store(s) at exit: %s", ", ".join(removed))
     for n in names:
         logger.warning(
-            "shmstore: %s is still in use by a process outside this vLLM instance %.0f s "
-            "after it shut down; left in place (the next vLLM start removes it once "
-            "unused)", os.path.join(directory, n), EXIT_WAIT_S)
+            "shmstore: %s is still in use by a process outside this vLLM instance (or "
+            "one of its own still exiting) %.0f s after it shut down; left in place (the "
+            "next vLLM start removes it once unused)", os.path.join(directory, n),
+            EXIT_WAIT_S)
     return removed
 
 
