@@ -173,6 +173,59 @@ def make_item(h: str, *, scale: float = 1.0, kind: str | None = None):
     )
 
 
+def make_updates(h: str) -> list:
+    """The prompt updates vLLM's processor would make for item ``h`` (deterministic):
+    Qwen2-VL's shape (the image pad token repeated once per embedding), or with
+    start and end tokens around it and ``select_token_id`` (as InternVL-style models
+    make them), or several. A hash ending in ``~`` gets a ``PromptIndex`` target, which
+    is not plain data: such updates cannot be shared between front-ends."""
+    from vllm.multimodal.processing.processor import (
+        PromptIndexTargets,
+        PromptUpdateDetails,
+        ResolvedPromptUpdate,
+        UpdateMode,
+    )
+
+    n = 4 + _seed(h) % 200
+    pad = 151655
+    if h.endswith("~"):
+        return [ResolvedPromptUpdate("image", 0, UpdateMode.INSERT, PromptIndexTargets.start(),
+                                     PromptUpdateDetails.from_seq([pad] * n))]
+    style = _seed(h) // 7 % 3
+    if style == 0:
+        return [ResolvedPromptUpdate("image", 0, UpdateMode.REPLACE, [pad],
+                                     PromptUpdateDetails.from_seq([pad] * n))]
+    if style == 1:
+        return [ResolvedPromptUpdate("image", 0, UpdateMode.REPLACE, [pad],
+                                     PromptUpdateDetails.select_token_id([9] + [pad] * n + [10], pad))]
+    return [
+        ResolvedPromptUpdate("video", 0, UpdateMode.REPLACE, [pad + 1],
+                             PromptUpdateDetails.select_token_ids([9, pad + 1, 11] * n, [pad + 1, 11])),
+        ResolvedPromptUpdate("video", 0, UpdateMode.INSERT, [8, 9], PromptUpdateDetails.from_seq([7])),
+    ]
+
+
+def same_updates(a, b) -> bool:
+    """Whether two lists of prompt updates do the same: equal fields, and ``is_embed``
+    (a function, compared by identity by the dataclass) giving the same mask."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if (x.modality, x.item_idx, x.mode) != (y.modality, y.item_idx, y.mode):
+            return False
+        if x.content.full != y.content.full or not (
+            x.target == y.target or (callable(getattr(x.target, "get_match_index", None))
+                                     and x.target.get_match_index([], 0) == y.target.get_match_index([], 0))
+        ):
+            return False
+        ex, ey = x.content.is_embed, y.content.is_embed
+        if (ex is None) != (ey is None):
+            return False
+        if ex is not None and not torch.equal(ex(x.content.full), ey(y.content.full)):
+            return False
+    return True
+
+
 def _digest_into(m, x) -> None:
     if isinstance(x, torch.Tensor):
         m.update(f"T{x.dtype}{tuple(x.shape)}".encode())
@@ -471,7 +524,7 @@ class Cluster:
         new = {}
         for h, c in zip(hashes, cached):
             if not c and h not in new:
-                new[h] = (make_item(h, scale=self.item_scale), [f"updates-{h}"])
+                new[h] = (make_item(h, scale=self.item_scale), make_updates(h))
                 self.processed[h] = self.processed.get(h, 0) + 1
         for h in hashes:
             sender.touch_sender_cache_item(h)
@@ -479,7 +532,7 @@ class Cluster:
         try:
             for h in hashes:
                 item, updates = sender.get_and_update_item(new.get(h), h)
-                assert list(updates) == [f"updates-{h}"]
+                assert same_updates(updates, make_updates(h)), h
                 outs.append(item)
         finally:
             sender.release_sender_touches()

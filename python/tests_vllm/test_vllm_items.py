@@ -5,7 +5,7 @@ import gc
 
 import pytest
 import torch
-from harness import digest, make_config, make_item
+from harness import digest, make_config, make_item, make_updates, same_updates
 from vllm.multimodal.inputs import (
     MultiModalBatchedField,
     MultiModalFieldElem,
@@ -17,6 +17,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 import shmstore
 from shmstore import vllm as sv
+from shmstore.vllm.prompt_updates import decode_updates, encode_updates
 from shmstore.vllm.receiver import _get_torch_item
 
 
@@ -307,3 +308,76 @@ def test_a_worker_answers_hits_from_the_items_it_keeps_within_its_budget(store_e
     del got
     pins = store.stats()["pins"]
     assert 1 <= pins and pins * size <= (64 << 20) // 16, (pins, size)
+
+
+# ----- prompt updates, stored with the item -------------------------------------------
+
+
+@pytest.mark.parametrize("h", ["a", "b", "c", "d", "e", "f", "g"])
+def test_prompt_updates_come_back_doing_the_same(h):
+    updates = make_updates(h)
+    text = encode_updates(updates)
+    assert text is not None
+    back = decode_updates(text)
+    assert same_updates(back, updates)
+    assert [type(u) for u in back] == [type(u) for u in updates]
+
+
+def test_every_style_of_prompt_update_is_covered():
+    # The parametrized hashes above reach all three styles of make_updates.
+    styles = {(len(u := make_updates(h)), u[0].content.is_embed is None) for h in "abcdefg"}
+    assert styles == {(1, True), (1, False), (2, False)}
+
+
+def test_prompt_updates_that_are_not_plain_data_are_not_shared():
+    from vllm.multimodal.processing.processor import (
+        PromptUpdateDetails,
+        ResolvedPromptUpdate,
+        UpdateMode,
+    )
+
+    def update(target=(1,), content=None):
+        content = content or PromptUpdateDetails.from_seq([5, 5])
+        return ResolvedPromptUpdate("image", 0, UpdateMode.REPLACE, list(target) if isinstance(target, tuple)
+                                    else target, content)
+
+    class Details(PromptUpdateDetails):
+        pass
+
+    assert encode_updates(make_updates("x~")) is None  # a PromptIndex target
+    assert encode_updates([update(content=PromptUpdateDetails([5], is_embed=lambda f: torch.ones(1)))]) is None
+    assert encode_updates([update(content=Details([5]))]) is None
+    assert encode_updates(["a string"]) is None
+    assert encode_updates(make_updates("a") + [object()]) is None
+    assert encode_updates(iter(make_updates("a"))) is None
+    assert decode_updates(encode_updates([])) == []
+
+
+@pytest.mark.parametrize("text", [
+    None, 7, "", "not json", "[1]", "[2,[]]", '[1,[["image",0,"bogus",[1],[1],null]]]',
+    '[1,[["image",0,"replace",[1],["a"],null]]]', '[1,[["image",0,"replace",[1.5],[1],null]]]',
+    '[1,[["image",0,"replace",[1],[1],"x"]]]', '[1,[["image",0,"replace",[1],[1]]]]',
+    '{"v":1}', '[1,[["image",0,"replace",[true],[1],null]]]',
+])
+def test_prompt_updates_another_process_wrote_badly_are_ignored(text):
+    assert decode_updates(text) is None
+
+
+def test_a_second_front_end_reports_an_item_another_stored_as_cached_with_its_updates(store_env):
+    config = make_config()
+    first, second = sv.ShmstoreSenderCache(config), sv.ShmstoreSenderCache(config)
+    try:
+        for h in ("p", "q~"):
+            out, updates = first.get_and_update_item((make_item(h), make_updates(h)), h)
+            assert sv.is_marker(out)
+        assert second.is_cached(["p", "q~", "never"]) == [True, False, False]
+        out, updates = second.get_and_update_item(None, "p")
+        second.release_sender_touches()
+        assert sv.is_marker(out) and same_updates(updates, make_updates("p"))
+        assert second.make_stats().hits == 1
+        # An item whose updates are not shared is processed again; the first put won.
+        out, updates = second.get_and_update_item((make_item("q~"), make_updates("q~")), "q~")
+        assert sv.is_marker(out) and same_updates(updates, make_updates("q~"))
+    finally:
+        first.close()
+        second.close()

@@ -111,6 +111,52 @@ def test_two_front_ends_with_four_workers_share_one_store_and_the_first_put_wins
     assert not any(state == "creating" for _, _, state, _ in store.list())
 
 
+#: Items of both front-ends below; those ending in ``~`` have prompt updates that are not
+#: plain data (a ``PromptIndex`` target), so they cannot be shared.
+_SHARED_POOL = [f"s{i}" for i in range(10)] + ["odd1~", "odd2~"]
+
+
+def _first_front_end(env, conn):
+    """A front-end that processes and stores every item of the pool, then stays
+    attached until told to go."""
+    setup_process(env)
+    c = Cluster("shmstore", make_config(world_size=2, data_parallel=2), 1, env=env)
+    try:
+        for i in range(0, len(_SHARED_POOL), 3):
+            hashes = _SHARED_POOL[i:i + 3]
+            assert all(d == expected(hashes) for d in c.request(hashes).values())
+        conn.send(c.processed)
+        conn.recv()
+    finally:
+        c.close()
+
+
+def test_a_front_end_serves_items_another_front_end_processed_without_processing_them(store_env):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    first = ctx.Process(target=_first_front_end, args=(store_env, child))
+    first.start()
+    try:
+        assert parent.recv() == {h: 1 for h in _SHARED_POOL}
+        c = Cluster("shmstore", make_config(world_size=2, data_parallel=2), 2, env=store_env)
+        try:
+            for hashes in (_SHARED_POOL[::2], _SHARED_POOL[1::2], _SHARED_POOL):
+                got = c.request(hashes)
+                assert all(d == expected(hashes) for d in got.values())
+            # The item's prompt updates came with it (the driver checks them against
+            # what the processor would make): only the two with a PromptIndex target
+            # were processed again, once each.
+            assert c.processed == {"odd1~": 1, "odd2~": 1}
+            assert c.sender.make_stats().hits == 2 * len(_SHARED_POOL) - 2
+            assert c.retries == 0
+        finally:
+            c.close()
+    finally:
+        parent.send("go")
+        first.join(60)
+    assert first.exitcode == 0
+
+
 def test_a_worker_killed_mid_request_costs_only_its_own_pins(store_env):
     c = Cluster("shmstore", make_config(world_size=2), 2, env=store_env)
     try:

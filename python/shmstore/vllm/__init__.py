@@ -18,6 +18,8 @@ point; see docs/vllm.md). vLLM's three cache factories then return:
 
 It also takes the place of vLLM's ``processor_only`` fallback with data parallelism or
 several API servers: every front-end writes the one store; the first put of an item wins.
+An item's prompt updates are stored with it, as data: a front-end that finds an item
+another front-end processed reports it cached, and vLLM skips the HF processor for it.
 
 Settings (environment):
 
@@ -57,7 +59,8 @@ Settings (environment):
   used first.
 
 The package, one module per concept: ``item_format`` (an item as one shmstore item, and
-the marker), ``instance`` (the store of one vLLM instance), ``sender`` (P0),
+the marker), ``prompt_updates`` (an item's prompt updates as data, stored with it),
+``instance`` (the store of one vLLM instance), ``sender`` (P0),
 ``receiver`` (P1, with CUDA registration), ``nodes`` (Ray, several machines), ``plugin``
 (the entry point and when it applies). Importing the package imports none of them, nor
 vLLM or torch: vLLM loads the entry point in every process, also where the switch is off.

@@ -29,6 +29,7 @@ from ..items import put_described
 from .instance import _capacity, _export_metrics, open_store, store_path
 from .item_format import _MiB, Unsupported, describe_item, is_marker, marker_item
 from .nodes import _ray_backend
+from .prompt_updates import META_KEY, decode_updates, encode_updates
 
 logger = logging.getLogger("shmstore.vllm")  # one logger for the whole plugin
 
@@ -51,9 +52,11 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
     that it is not evicted while its request is on the way to the workers. An item that is gone
     anyway is a miss on the worker, which vLLM's retry path turns into a resend.
 
-    Prompt updates (front-end Python objects, not shareable) stay in this process: a
-    front-end runs the HF processor once for an item it has not seen, even if another
-    front-end already stored the item's tensors.
+    The item's prompt updates (its placeholder tokens) are stored with it when they are
+    plain data, as they are for the models vLLM ships with token-list targets
+    (``prompt_updates``): a front-end then reports an item that another front-end (or
+    an earlier life of this one) stored as cached, and vLLM skips the HF processor for
+    it. Updates that are not plain data stay in the front-end that made them.
     """
 
     def __init__(self, vllm_config, *, inflight_fraction: float = 0.25) -> None:
@@ -82,8 +85,10 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
 
     @override
     def is_cached_item(self, mm_hash: str) -> bool:
-        if self.inline_only or mm_hash not in self._updates:
+        if self.inline_only:
             return False
+        if mm_hash not in self._updates:
+            return self._adopt(mm_hash)
         if mm_hash in self._touched:
             return True
         v = self._pin(mm_hash)
@@ -140,6 +145,9 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
                     f"{out.nbytes / _MiB:.1f} MiB is over --mm-shm-cache-max-object-size-mb="
                     f"{self.max_object_size // _MiB}",
                 )
+            shared = encode_updates(updates)
+            if shared is not None:
+                meta[META_KEY] = shared
             # Pinned as it is sealed: the send below needs no second lookup.
             pin = put_described(self.store, mm_hash, out.specs, out.tensors, meta, None, pin=True)
         except Unsupported as e:
@@ -205,6 +213,24 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         self._inflight_bytes = 0
 
     # -- internals --------------------------------------------------------------------
+
+    def _adopt(self, mm_hash: str) -> bool:
+        """Whether the store holds the item with prompt updates this front-end can use
+        (another front-end stored it): if so, they join this front-end's own and the
+        item is pinned until the request is merged, as a local hit is."""
+        v = self.store.try_get(mm_hash)
+        if v is None:
+            return False
+        try:
+            _arrays, meta = _native.decode_item(v)
+        except _native.ShmstoreError:
+            return False  # not an item of this format: another program's object
+        updates = decode_updates(meta.get(META_KEY))
+        if updates is None:
+            return False  # stored without shareable updates: process it here
+        self._updates[mm_hash] = updates
+        self._touched[mm_hash] = v
+        return True
 
     def _pin(self, mm_hash: str) -> memoryview | None:
         """A pin on the item: the one its recent send holds (a hit on an item sent
