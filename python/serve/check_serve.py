@@ -100,7 +100,10 @@ class Server:
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
             "--port", str(self.port), "--host", "127.0.0.1",
-            "--mm-processor-cache-type", "shm", "--mm-processor-cache-gb", "1",
+            # shmstore: SHMSTORE_VLLM=1 is the one switch (vLLM's default cache type);
+            # vLLM's own shared-memory cache needs its type.
+            *([] if use_shmstore else ["--mm-processor-cache-type", "shm"]),
+            "--mm-processor-cache-gb", "1",
             "--max-model-len", str(2048 * SCALE), "--dtype", "float32", "--enforce-eager",
             "--max-num-seqs", "4", "--limit-mm-per-prompt", '{"image": 2}', *extra,
         ]

@@ -53,8 +53,17 @@ def test_vllms_factories_return_shmstores_caches_also_where_vllm_switches_ipc_of
             w = factories.worker_receiver_cache_from_config(c, None)
             assert type(w).__name__ == "ShmstoreReceiverCache"
             s.close()
+        # The switch alone is enough: vLLM's default cache type (lru) is taken over too.
         c = make_config(); c.model_config.get_multimodal_config().mm_processor_cache_type = "lru"
-        assert type(factories.processor_cache_from_config(c)).__name__ == "LruKeyReplicatedSenderCache"
+        s = factories.processor_cache_from_config(c)
+        assert type(s).__name__ == "ShmstoreSenderCache", s
+        assert factories.engine_receiver_cache_from_config(c) is None
+        assert type(factories.worker_receiver_cache_from_config(c, None)).__name__ == "ShmstoreReceiverCache"
+        s.close()
+        # A cache size of 0 keeps vLLM's multimodal cache off, whatever the switch says.
+        c = make_config(); c.model_config.get_multimodal_config().mm_processor_cache_gb = 0
+        assert factories.processor_cache_from_config(c) is None
+        assert factories.worker_receiver_cache_from_config(c, None) is None
         print("ok")
         """,
         store_env,

@@ -1,8 +1,8 @@
 """shmstore as vLLM's shared-memory multimodal cache (vLLM 0.34).
 
-Turn it on with ``--mm-processor-cache-type shm`` and ``SHMSTORE_VLLM=1`` in the
-environment of ``vllm serve`` (the package registers a ``vllm.general_plugins`` entry
-point; see docs/vllm.md). vLLM's three cache factories then return:
+Turn it on with ``SHMSTORE_VLLM=1`` in the environment of ``vllm serve``, the one switch
+(the package registers a ``vllm.general_plugins`` entry point; see docs/vllm.md). vLLM's
+three cache factories then return, in place of its default cache or its ``shm`` cache:
 
 * ``ShmstoreSenderCache`` in every front-end process (P0): it puts each processed
   ``MultiModalKwargsItem`` once into one store per vLLM instance, as one shmstore item
@@ -23,8 +23,8 @@ another front-end processed reports it cached, and vLLM skips the HF processor f
 
 Settings (environment):
 
-* ``SHMSTORE_VLLM=1``: use shmstore where vLLM would use its ``shm`` cache (``force``:
-  also where it looks multi-node, see below).
+* ``SHMSTORE_VLLM=1``: use shmstore for vLLM's multimodal cache (``force``: also where
+  it looks multi-node, see below). ``--mm-processor-cache-gb 0`` keeps the cache off.
 * ``SHMSTORE_VLLM_STORE``: the store's name in its directory. Default
   ``shmstore-vllm-<launcher pid>-<random>``, chosen by the first process of the instance
   and inherited by the others; set it yourself to share one store between instances.

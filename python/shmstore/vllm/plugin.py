@@ -1,9 +1,10 @@
 """Activation: the ``vllm.general_plugins`` entry point, which makes vLLM's three cache
-factories return shmstore's caches when ``SHMSTORE_VLLM`` is set and the instance uses
-the ``shm`` cache type, and the checks of when that applies.
+factories return shmstore's caches when ``SHMSTORE_VLLM`` is set (whether the instance
+asks for vLLM's ``shm`` cache type or keeps its default), and the checks of when that
+applies.
 
-Invariant: without the switch, or with another cache type, vLLM is unchanged; loading
-the plugin again in a process changes nothing.
+Invariant: without the switch, or with the cache off (size 0), vLLM is unchanged;
+loading the plugin again in a process changes nothing.
 """
 
 from __future__ import annotations
@@ -28,17 +29,23 @@ from .sender import ShmstoreSenderCache
 logger = logging.getLogger("shmstore.vllm")
 
 
+#: The cache types shmstore takes the place of: vLLM's shared-memory cache, and its
+#: default (``lru``), so that ``SHMSTORE_VLLM=1`` alone is the switch.
+_TAKES_OVER = ("shm", "lru")
+
+
 def applies(vllm_config) -> bool:
-    """Whether shmstore takes this vLLM instance's multimodal cache: a multimodal model,
-    a cache size above 0, ``mm_processor_cache_type == "shm"``, ``SHMSTORE_VLLM`` set,
-    and every worker on this machine (unless ``SHMSTORE_VLLM=force``)."""
+    """Whether shmstore takes this vLLM instance's multimodal cache: ``SHMSTORE_VLLM``
+    set, a multimodal model, a cache size above 0 (``--mm-processor-cache-gb 0`` keeps
+    vLLM's cache off), the ``shm`` cache type or vLLM's default, and every worker on
+    this machine (unless ``SHMSTORE_VLLM=force``)."""
     if not enabled():
         return False
     model_config = vllm_config.model_config
     if model_config is None or not model_config.supports_multimodal_inputs:
         return False
     mm_config = model_config.get_multimodal_config()
-    if mm_config.mm_processor_cache_gb <= 0 or mm_config.mm_processor_cache_type != "shm":
+    if mm_config.mm_processor_cache_gb <= 0 or mm_config.mm_processor_cache_type not in _TAKES_OVER:
         return False
     if os.environ.get("SHMSTORE_VLLM", "").lower() == "force":
         return True
