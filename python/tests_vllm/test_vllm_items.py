@@ -381,3 +381,25 @@ def test_a_second_front_end_reports_an_item_another_stored_as_cached_with_its_up
     finally:
         first.close()
         second.close()
+
+
+@pytest.mark.parametrize("api_servers", [1, 4])
+def test_the_front_ends_windows_of_recent_sends_pin_a_quarter_of_the_store_together(store_env, api_servers):
+    # Each API server's front-end keeps its recent sends pinned; with four of them, each
+    # keeps a quarter of what one alone would, so that together they still leave 3/4 of
+    # the store evictable.
+    sender = sv.ShmstoreSenderCache(make_config(cache_mb=64, api_servers=api_servers))
+    store = sender.store
+    try:
+        pinned = []
+        for i in range(40):  # images of 1.2 MiB: 48 MiB in all, under the capacity
+            h = f"win-{i}"
+            sender.get_and_update_item((make_item(h, kind="image"), []), h)
+            sender.release_sender_touches()
+            pinned.append(store.stats()["pins"] * len(store.get(h)))
+        budget = (64 << 20) // 4 // api_servers
+        size = len(store.get("win-0"))
+        assert max(pinned) <= budget, (max(pinned), budget)
+        assert max(pinned) > budget - 2 * size, "the window fills its share"
+    finally:
+        sender.close()

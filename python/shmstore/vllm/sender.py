@@ -48,7 +48,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
     pinned items. vLLM's touch protocol maps to pins: ``is_cached`` and
     ``touch_sender_cache_item`` pin an item until ``release_sender_touches`` (the end of
     the request's merge), and every item sent stays pinned in a window of recent sends
-    (at most ``inflight_fraction`` of the store's bytes, and always the latest send) so
+    (at most ``inflight_fraction`` of the store's bytes for all the instance's
+    front-ends together, divided among its API servers, and always the latest send) so
     that it is not evicted while its request is on the way to the workers. An item that is gone
     anyway is a miss on the worker, which vLLM's retry path turns into a resend.
 
@@ -71,7 +72,10 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         self._inflight: collections.OrderedDict[str, tuple[memoryview, int]] = (
             collections.OrderedDict())
         self._inflight_bytes = 0
-        self._inflight_budget = int(_capacity(vllm_config) * inflight_fraction)
+        # Each API server runs a front-end with a window of its own: together they pin
+        # at most ``inflight_fraction`` of the store, as one front-end does alone.
+        front_ends = max(1, int(getattr(vllm_config.parallel_config, "_api_process_count", 1) or 1))
+        self._inflight_budget = int(_capacity(vllm_config) * inflight_fraction / front_ends)
         self._hits = 0
         self._total = 0
         self._last_info = CacheInfo(hits=0, total=0)
