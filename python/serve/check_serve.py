@@ -15,9 +15,11 @@ multimodal cache and then with shmstore's, checking what an operator would see:
   switches its own cache off, shmstore's is used: the same answers, each image stored
   once, and every image seen before is a hit, whichever API server gets the request
   (prompt updates travel with the item); ``shmstore-2-api`` (one engine, two API
-  servers) on request.
+  servers) on request. ``vllm-dp-2`` runs vLLM alone the same way, beside it: its
+  fallback (each API server a cache of its own, items sent in full) gives the same
+  answers, and its hit count is printed.
 
-    python check_serve.py MODEL_DIR [--only vllm,shmstore,shmstore-killed,shmstore-dp-2]
+    python check_serve.py MODEL_DIR [--only vllm,vllm-dp-2,shmstore,shmstore-killed,shmstore-dp-2]
 
 Exit status 0 when every check holds. Prints one line per configuration, with the time
 to first answer and the mean request latency (a tiny model on a CPU: the figures say
@@ -198,11 +200,12 @@ def stores(shm_dir: str) -> list[str]:
 
 
 def run(config: str, model: str, shm_dir: str) -> dict:
-    use = config != "vllm"
+    use = config.startswith("shmstore")
     killed = config == "shmstore-killed"
     extra = {
         "shmstore-2-api": ["--api-server-count", "2"],
         "shmstore-dp-2": ["--data-parallel-size", "2"],
+        "vllm-dp-2": ["--data-parallel-size", "2"],
     }.get(config, [])
     # Workers forked (vLLM's default), and spawned in the instance that is killed.
     server = Server(model, shm_dir, use, extra, "spawn" if killed else "fork")
@@ -242,7 +245,7 @@ def run(config: str, model: str, shm_dir: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
-    ap.add_argument("--only", default="vllm,shmstore,shmstore-killed,shmstore-dp-2",
+    ap.add_argument("--only", default="vllm,vllm-dp-2,shmstore,shmstore-killed,shmstore-dp-2",
                     help="configurations, comma-separated, in order (also: shmstore-2-api); "
                     "shmstore-killed is SIGKILLed and the next one must remove its store")
     ap.add_argument("--verbose", action="store_true", help="print the plugin's log lines")
@@ -305,7 +308,7 @@ def main() -> int:
             check(all(d is not None and d <= 1e-3 for d in again),
                   f"an image sent again gets the same answer (largest log-probability "
                   f"difference: {again})")
-            if config != "vllm":
+            if config.startswith("shmstore"):
                 # With several front-ends too: an image another front-end stored comes
                 # with its prompt updates, so whichever front-end gets the request
                 # skips the HF processor for it.
@@ -316,7 +319,7 @@ def main() -> int:
                 check(r["objects_metric"] == distinct,
                       f"vLLM's /metrics shows the store's objects (shmstore_objects "
                       f"{r['objects_metric']})")
-            if config != "vllm":
+            if config.startswith("shmstore"):
                 # Each API server writes, each worker reads: the engine core does not attach.
                 processes = 4 if config == "shmstore-dp-2" else 3 if config == "shmstore-2-api" else 2
                 check(r.get("clients") == processes,
