@@ -94,6 +94,7 @@ class Server:
             VLLM_WORKER_MULTIPROC_METHOD=start_method,
         )
         env.pop("SHMSTORE_VLLM_STORE", None)
+        env.pop("SHMSTORE_VLLM_LAUNCHER", None)
         if use_shmstore:
             env["SHMSTORE_VLLM"] = "1"
         else:

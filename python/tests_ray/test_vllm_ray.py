@@ -20,7 +20,8 @@ from vllm_ranks import VllmWorker  # noqa: E402
 @pytest.fixture
 def vllm_env(cluster, monkeypatch):
     name = f"shmstore-vllm-raytest-{uuid.uuid4().hex[:8]}"
-    env = {"SHMSTORE_VLLM": "1", "SHMSTORE_VLLM_STORE": name}
+    # This process and the workers are processes of an instance launched elsewhere.
+    env = {"SHMSTORE_VLLM": "1", "SHMSTORE_VLLM_STORE": name, "SHMSTORE_VLLM_LAUNCHER": "test"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     setup_process()

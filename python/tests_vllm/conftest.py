@@ -20,10 +20,13 @@ def store_env(monkeypatch):
     monkeypatch.setenv("SHMSTORE_VLLM_STORE", name)
     monkeypatch.setenv("VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME", f"vllm-ring-{name}")
     monkeypatch.setenv("SHMSTORE_VLLM", "1")
+    # The test's processes are processes of an instance whose launcher is elsewhere.
+    monkeypatch.setenv("SHMSTORE_VLLM_LAUNCHER", "test")
     yield {
         "SHMSTORE_VLLM_STORE": name,
         "VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME": f"vllm-ring-{name}",
         "SHMSTORE_VLLM": "1",
+        "SHMSTORE_VLLM_LAUNCHER": "test",
     }
     for f in (name, f"vllm-ring-{name}"):
         try:

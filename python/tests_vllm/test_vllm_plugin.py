@@ -11,6 +11,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import uuid
 
 import pytest
 from harness import make_config
@@ -153,7 +154,7 @@ def test_another_vllm_release_is_hooked_with_a_warning(store_env):
         print(type(s).__name__)
         s.close()
         """,
-        {**store_env, "SHMSTORE_VLLM_STORE": ""},            # the instance's launcher
+        {**store_env, "SHMSTORE_VLLM_STORE": "", "SHMSTORE_VLLM_LAUNCHER": ""},  # the launcher
     )
     assert r.stdout.strip().endswith("ShmstoreSenderCache"), r.stderr[-3000:]
     warning = f"this is vLLM 0.35.1; the plugin is written and tested for vLLM {sv.TESTED_VLLM}"
@@ -245,13 +246,37 @@ _LAUNCHER = """
 def test_the_launcher_removes_the_store_when_it_exits_after_vllm_kills_the_workers(store_env):
     # What `vllm serve` does at Ctrl-C: before the exit hook, the store stayed in
     # /dev/shm until the next start (python/serve/check_serve.py found it).
-    env = {**store_env, "SHMSTORE_VLLM_STORE": ""}
+    env = {**store_env, "SHMSTORE_VLLM_STORE": "", "SHMSTORE_VLLM_LAUNCHER": ""}
     r = run(_LAUNCHER, env)
     assert r.returncode == 0, r.stderr[-3000:]
     path = r.stdout.split()[0]
     assert os.path.basename(path).startswith("shmstore-vllm-")
     assert not os.path.exists(path), "the store outlived its instance"
     assert "removed this instance's store(s) at exit" in r.stderr, r.stderr[-3000:]
+
+
+def test_a_store_the_operator_named_is_removed_with_its_instance_unless_another_uses_it(store_env):
+    # SHMSTORE_VLLM_STORE set by the operator (to watch it with `shmstore stat`, or to
+    # share it between instances): the launcher still removes it at exit. Before, only a
+    # launcher that named the store itself did, and such a store stayed in /dev/shm.
+    name = f"operator-named-{uuid.uuid4().hex[:6]}"
+    env = {**store_env, "SHMSTORE_VLLM_STORE": name, "SHMSTORE_VLLM_LAUNCHER": ""}
+    try:
+        r = run(_LAUNCHER, env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.split()[0] == f"/dev/shm/{name}"
+        assert not os.path.exists(f"/dev/shm/{name}"), "the named store outlived its instance"
+        assert "removed this instance's store(s) at exit" in r.stderr, r.stderr[-3000:]
+        # Another instance shares it: the first to exit leaves it, saying so, no warning.
+        r = run(_LAUNCHER, {**env, "OUTSIDER": "1", "EXIT_WAIT": "0.3"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        os.kill(int(r.stdout.split()[1]), signal.SIGKILL)
+        assert os.path.exists(f"/dev/shm/{name}"), "removed under another instance"
+        assert "another vLLM instance sharing it?" in r.stderr, r.stderr[-3000:]
+        assert "outside this vLLM instance" not in r.stderr, r.stderr[-3000:]  # no warning
+    finally:
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
 
 
 def test_the_plugins_lines_go_where_vllms_go_in_vllms_format(store_env):
@@ -284,7 +309,8 @@ def test_the_plugins_lines_go_where_vllms_go_in_vllms_format(store_env):
 
 
 def test_at_exit_a_store_another_live_process_uses_is_left_to_it(store_env):
-    env = {**store_env, "SHMSTORE_VLLM_STORE": "", "OUTSIDER": "1", "EXIT_WAIT": "0.3"}
+    env = {**store_env, "SHMSTORE_VLLM_STORE": "", "SHMSTORE_VLLM_LAUNCHER": "",
+           "OUTSIDER": "1", "EXIT_WAIT": "0.3"}
     r = run(_LAUNCHER, env)
     assert r.returncode == 0, r.stderr[-3000:]
     path, outsider = r.stdout.split()[:2]

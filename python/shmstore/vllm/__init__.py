@@ -27,7 +27,8 @@ Settings (environment):
   it looks multi-node, see below). ``--mm-processor-cache-gb 0`` keeps the cache off.
 * ``SHMSTORE_VLLM_STORE``: the store's name in its directory. Default
   ``shmstore-vllm-<launcher pid>-<random>``, chosen by the first process of the instance
-  and inherited by the others; set it yourself to share one store between instances.
+  and inherited by the others; set it yourself to share one store between instances (the
+  last of them to exit removes it).
 * ``SHMSTORE_VLLM_DIR``: the store's directory (default ``/dev/shm``). On kernels before
   6.1, point it at a tmpfs mounted with ``huge=within_size`` for transparent huge pages,
   nothing reserved (docs/vllm.md, "Huge pages").

@@ -4,7 +4,8 @@ launcher exits and removing stores that crashed instances left, exporting its fi
 vLLM's ``/metrics``, and sending the plugin's log lines where vLLM sends its own.
 
 Invariants: one store per instance, named with the launcher's pid and a random part (no
-clash between instances); a store some live process is attached to is never removed.
+clash between instances) unless the operator names it; the launcher, and only it, removes
+the store at exit; a store some live process is attached to is never removed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,21 @@ from .. import _native
 logger = logging.getLogger("shmstore.vllm")  # one logger for the whole plugin
 
 _PREFIX = "shmstore-vllm-"
+#: Set by the launcher (its pid) and inherited by every process of the instance.
+_LAUNCHER_ENV = "SHMSTORE_VLLM_LAUNCHER"
+
+
+def mark_launcher() -> bool:
+    """Whether this process is the instance's launcher, the first process of the instance
+    to load the plugin (``vllm serve`` itself): no launcher is marked in the environment
+    yet. It marks itself, so that every process it starts, forked or spawned, knows it is
+    not. Separate from the store's name, which an operator may set
+    (``SHMSTORE_VLLM_STORE``): such a store is the instance's all the same, and is
+    removed with it when no other instance uses it."""
+    if os.environ.get(_LAUNCHER_ENV):
+        return False
+    os.environ[_LAUNCHER_ENV] = str(os.getpid())
+    return True
 
 
 def store_name() -> str:
@@ -82,8 +98,8 @@ EXIT_WAIT_S = 3.0
 
 
 def remove_at_exit() -> None:
-    """Registers the launcher's exit hook (``_remove_instance_stores``): when the process
-    that named the store exits, the instance's stores go with it. vLLM never drops the
+    """Registers the launcher's exit hook (``_remove_instance_stores``): when the
+    instance's launcher exits, the instance's stores go with it. vLLM never drops the
     front-end's handle and kills its workers at shutdown, so the store's own "remove when
     the last process leaves" never runs there."""
     atexit.register(_remove_instance_stores, os.getpid())
@@ -125,6 +141,15 @@ def _remove_instance_stores(launcher: int) -> list[str]:
     if removed:
         logger.info("shmstore: removed this instance's store(s) at exit: %s", ", ".join(removed))
     for n in names:
+        if not n.startswith(_PREFIX):
+            # Named by the operator (SHMSTORE_VLLM_STORE), perhaps to share it with other
+            # instances: one of them still uses it, and the last to exit removes it.
+            logger.info(
+                "shmstore: %s is still in use by another process (another vLLM instance "
+                "sharing it?); left to it (the last instance using it removes it at exit; "
+                "`shmstore rm %s` removes it by hand)", os.path.join(directory, n),
+                os.path.join(directory, n))
+            continue
         logger.warning(
             "shmstore: %s is still in use by a process outside this vLLM instance (or "
             "one of its own still exiting) %.0f s after it shut down; left in place (the "

@@ -17,6 +17,7 @@ import sys
 from . import TESTED_VLLM, enabled, vllm_version
 from .instance import (
     _log_once,
+    mark_launcher,
     remove_at_exit,
     remove_stale_stores,
     store_name,
@@ -86,9 +87,9 @@ def register() -> None:
     if getattr(factories, "_shmstore_patched", False):
         return
     use_vllm_logging()
-    # The first process of the instance (the launcher) has no store name yet: it speaks
-    # for the instance (the processes it starts would repeat its warning).
-    launcher = not os.environ.get("SHMSTORE_VLLM_STORE")  # empty counts as unset
+    # The first process of the instance (the launcher) speaks for the instance (the
+    # processes it starts would repeat its warning) and owns its store's lifecycle.
+    launcher = mark_launcher()
     version = vllm_version()
     if version != TESTED_VLLM and launcher:
         logger.warning(
@@ -96,9 +97,9 @@ def register() -> None:
             "hooks in the same way; if workers report missing items or vLLM fails, unset "
             "SHMSTORE_VLLM or install vllm==%s", version, TESTED_VLLM, TESTED_VLLM)
     if launcher:
-        # The first process of the instance (the launcher): name the store for every
-        # process it starts, clean up after instances that crashed, and remove this
-        # instance's store when it exits.
+        # Name the store for every process it starts (unless the operator named it),
+        # clean up after instances that crashed, and remove this instance's store when
+        # it exits.
         store_name()
         remove_stale_stores()
         remove_at_exit()
