@@ -15,7 +15,9 @@ multimodal cache and then with shmstore's, checking what an operator would see:
   switches its own cache off, shmstore's is used: the same answers, each image stored
   once, and every image seen before is a hit, whichever API server gets the request
   (prompt updates travel with the item); ``shmstore-2-api`` (one engine, two API
-  servers) on request. ``vllm-dp-2`` runs vLLM alone the same way, beside it: its
+  servers) on request. The data-parallel instance's store is named by the operator
+  (``SHMSTORE_VLLM_STORE``), and is removed at shutdown all the same. ``vllm-dp-2`` runs
+  vLLM alone the same way, beside it: its
   fallback (each API server a cache of its own, items sent in full) gives the same
   answers, and its hit count is printed.
 
@@ -81,7 +83,7 @@ class Server:
     """One ``vllm serve`` process group, its log in a temporary file."""
 
     def __init__(self, model: str, shm_dir: str, use_shmstore: bool, extra: list[str],
-                 start_method: str = "fork"):
+                 start_method: str = "fork", store_name: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
@@ -95,6 +97,8 @@ class Server:
         )
         env.pop("SHMSTORE_VLLM_STORE", None)
         env.pop("SHMSTORE_VLLM_LAUNCHER", None)
+        if store_name:
+            env["SHMSTORE_VLLM_STORE"] = store_name  # named by the operator
         if use_shmstore:
             env["SHMSTORE_VLLM"] = "1"
         else:
@@ -196,8 +200,13 @@ def drift(a: list, b: list) -> float | None:
 MULTI_FRONT_END = ("shmstore-2-api", "shmstore-dp-2")
 
 
+#: The name an operator gives the data-parallel instance's store.
+OPERATOR_NAMED = "mm-cache"
+
+
 def stores(shm_dir: str) -> list[str]:
-    return sorted(n for n in os.listdir(shm_dir) if n.startswith("shmstore-vllm-"))
+    """The stores in the run's own directory (every file there is one)."""
+    return sorted(os.listdir(shm_dir))
 
 
 def run(config: str, model: str, shm_dir: str) -> dict:
@@ -208,8 +217,10 @@ def run(config: str, model: str, shm_dir: str) -> dict:
         "shmstore-dp-2": ["--data-parallel-size", "2"],
         "vllm-dp-2": ["--data-parallel-size", "2"],
     }.get(config, [])
-    # Workers forked (vLLM's default), and spawned in the instance that is killed.
-    server = Server(model, shm_dir, use, extra, "spawn" if killed else "fork")
+    # Workers forked (vLLM's default), and spawned in the instance that is killed; the
+    # data-parallel instance's store is named by the operator (SHMSTORE_VLLM_STORE).
+    server = Server(model, shm_dir, use, extra, "spawn" if killed else "fork",
+                    OPERATOR_NAMED if config == "shmstore-dp-2" else None)
     result: dict = {"config": config}
     try:
         result["ready_s"] = server.wait_ready()
@@ -332,6 +343,9 @@ def main() -> int:
                 named = [line for line in r["shmstore_lines"] if "multimodal cache in" in line]
                 check(len(named) == 1 and r["stores_running"][0] in named[0],
                       "the log names the store, once")
+                if config == "shmstore-dp-2":
+                    check(r["stores_running"] == [OPERATOR_NAMED],
+                          f"the store has the name the operator gave it ({OPERATOR_NAMED})")
                 check(any("removed this instance's store(s) at exit" in line
                           for line in r["shmstore_lines"]), "the log says the store was removed")
             check(r["exit"] == 0, f"vllm serve exits cleanly on Ctrl-C (status {r['exit']})")
