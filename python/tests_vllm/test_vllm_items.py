@@ -370,7 +370,8 @@ def test_a_second_front_end_reports_an_item_another_stored_as_cached_with_its_up
         for h in ("p", "q~"):
             out, updates = first.get_and_update_item((make_item(h), make_updates(h)), h)
             assert sv.is_marker(out)
-        assert second.is_cached(["p", "q~", "never"]) == [True, False, False]
+        first.store.put("foreign", b"not an item")  # another program's object, same key space
+        assert second.is_cached(["p", "q~", "never", "foreign"]) == [True, False, False, False]
         out, updates = second.get_and_update_item(None, "p")
         second.release_sender_touches()
         assert sv.is_marker(out) and same_updates(updates, make_updates("p"))
