@@ -19,7 +19,7 @@ Prints, per image size, in the same run (medians over the images; milliseconds):
 * what the same costs with shmstore (the other front-end processed it);
 * a front-end's hit on an image it processed itself, with either cache (the floor).
 
-    python check_processor.py MODEL_DIR [--images 5]
+    python check_processor.py MODEL_DIR [--images 20]
 
 Exit status 0 when every check holds.
 """
