@@ -41,6 +41,20 @@ pub enum Error {
         /// Bytes the file system has free.
         available: u64,
     },
+    /// The memory limit of the creating process's cgroup (a container's memory limit)
+    /// leaves too little room for the store. Shared memory counts against that limit,
+    /// and the kernel kills a process that goes over it rather than failing the
+    /// allocation, so the store checks first.
+    MemoryLimit {
+        /// The cgroup directory whose limit is short.
+        cgroup: PathBuf,
+        /// Its limit in bytes.
+        limit: u64,
+        /// Bytes the store needs.
+        needed: u64,
+        /// Bytes still free under the limit, reclaimable page cache included.
+        available: u64,
+    },
     /// Too few huge pages are free for a store created with
     /// [`HugePages::Hugetlb`](crate::HugePages::Hugetlb).
     HugePagesUnavailable {
@@ -213,6 +227,18 @@ impl fmt::Display for Error {
                 mib(*available),
                 mib(*needed)
             ),
+            Error::MemoryLimit { cgroup, limit, needed, available } => write!(
+                f,
+                "the memory limit of this process's cgroup ({}: {}) has {} left, the store \
+                 needs {}, and shared memory counts against that limit (past it the kernel \
+                 kills a process instead of failing): raise the container's memory limit \
+                 (`docker run --memory`, Kubernetes `resources.limits.memory`) by the \
+                 store's capacity, or choose a smaller capacity",
+                cgroup.display(),
+                mib(*limit),
+                mib(*available),
+                mib(*needed)
+            ),
             Error::HugePagesUnavailable { page_size, needed, free } => write!(
                 f,
                 "the store needs {needed} huge pages of {}, {free} are free: reserve more \
@@ -346,6 +372,18 @@ mod tests {
         assert!(m.contains("/dev/shm has 64.0 MiB free"), "{m}");
         assert!(m.contains("needs 4.0 GiB"), "{m}");
         assert!(m.contains("--shm-size"), "{m}");
+        let m = Error::MemoryLimit {
+            cgroup: PathBuf::from("/sys/fs/cgroup/pod"),
+            limit: 8 << 30,
+            needed: 4 << 30,
+            available: 3 << 29,
+        }
+        .to_string();
+        assert!(
+            m.contains("(/sys/fs/cgroup/pod: 8.0 GiB) has 1.5 GiB left"),
+            "{m}"
+        );
+        assert!(m.contains("needs 4.0 GiB") && m.contains("--memory"), "{m}");
         let full = Error::Full {
             requested: 2048,
             free: 1024,

@@ -45,6 +45,8 @@
 mod alloc;
 #[cfg(not(loom))]
 mod capacity;
+#[cfg(not(loom))]
+mod cgroup;
 mod client;
 #[cfg(not(loom))]
 mod copy;

@@ -5,7 +5,9 @@
 //! receives. Invariants this module guarantees to everything above it:
 //!
 //! * the memory is **reserved up front** (`posix_fallocate`), so a too-small `/dev/shm`
-//!   fails at create time with [`Error::InsufficientSpace`], never with a SIGBUS later;
+//!   fails at create time with [`Error::InsufficientSpace`], never with a SIGBUS later, and
+//!   a store over the memory limit of its creator's cgroup with [`Error::MemoryLimit`],
+//!   never with the kernel's OOM kill during the reservation;
 //! * a named store appears under its final name only when fully initialised (it is built
 //!   under a temporary name and hard-linked into place, which also refuses to clobber);
 //! * `open` reads and validates the superblock with `pread` *before* mapping, and maps only
@@ -164,6 +166,16 @@ fn reserve(file: &File, len: u64, path: &Path, progress: bool) -> Result<()> {
     const STEP: u64 = 256 << 20;
     if let Some((true, page)) = fs_of(file) {
         return reserve_huge(file, len, page);
+    }
+    // Past its cgroup's memory limit the kernel would kill this process in the middle
+    // of the reservation: say so first (see crate::cgroup).
+    if let Some(room) = crate::cgroup::memory_shortfall(len) {
+        return Err(Error::MemoryLimit {
+            cgroup: room.cgroup,
+            limit: room.limit,
+            needed: len,
+            available: room.available,
+        });
     }
     let start = std::time::Instant::now();
     let mut said = std::time::Duration::ZERO;

@@ -579,3 +579,18 @@ pub fn die_in_slab_setup(store: &Store) -> crate::Result<()> {
 pub fn corrupt_creator(store: &Store, id: &ObjectId, creator: u16) -> crate::Result<()> {
     store.corrupt_creator(id, creator)
 }
+
+/// This process's memory cgroup directory and the name of its limit file there
+/// (`memory.max` on cgroup v2, `memory.limit_in_bytes` on v1), as the store's check before
+/// reserving memory finds them; `None` where there is none. For the test that makes a
+/// child cgroup with a limit beside it.
+pub fn memory_cgroup() -> Option<(std::path::PathBuf, &'static str)> {
+    let (dir, _, version) = crate::cgroup::memory_cgroup()?;
+    Some((
+        dir,
+        match version {
+            crate::cgroup::Version::V1 => "memory.limit_in_bytes",
+            crate::cgroup::Version::V2 => "memory.max",
+        },
+    ))
+}

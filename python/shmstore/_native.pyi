@@ -20,6 +20,7 @@ __all__ = [
     "Full",
     "InsufficientSpace",
     "InvalidConfig",
+    "MemoryLimit",
     "NotFound",
     "NotSealed",
     "ReadOnly",
@@ -89,6 +90,9 @@ class StoreNotFound(ShmstoreError):
 
 class InsufficientSpace(ShmstoreError):
     """The file system has too little space for the store."""
+
+class MemoryLimit(InsufficientSpace):
+    """The memory limit of the creating process's cgroup (a container's) leaves too little room for the store."""
 
 class TooManyClients(ShmstoreError):
     """Every client slot of the store is taken."""

@@ -79,6 +79,12 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     _native,
+    MemoryLimit,
+    InsufficientSpace,
+    "The memory limit of the creating process's cgroup (a container's) leaves too little room for the store."
+);
+pyo3::create_exception!(
+    _native,
     TooManyClients,
     ShmstoreError,
     "Every client slot of the store is taken."
@@ -133,6 +139,7 @@ pub(crate) fn err(e: shmstore::Error) -> PyErr {
         | E::VersionMismatch { .. } => Corrupted::new_err(msg),
         E::StoreExists { .. } => StoreExists::new_err(msg),
         E::StoreNotFound { .. } => StoreNotFound::new_err(msg),
+        E::MemoryLimit { .. } => MemoryLimit::new_err(msg),
         E::InsufficientSpace { .. } | E::HugePagesUnavailable { .. } => {
             InsufficientSpace::new_err(msg)
         }
@@ -163,6 +170,7 @@ pub(crate) fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("StoreExists", py.get_type::<StoreExists>()),
         ("StoreNotFound", py.get_type::<StoreNotFound>()),
         ("InsufficientSpace", py.get_type::<InsufficientSpace>()),
+        ("MemoryLimit", py.get_type::<MemoryLimit>()),
         ("TooManyClients", py.get_type::<TooManyClients>()),
         ("TooManyPins", py.get_type::<TooManyPins>()),
         ("TableFull", py.get_type::<TableFull>()),

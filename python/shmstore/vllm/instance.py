@@ -197,6 +197,12 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
                     prefault=False,
                     huge_pages="off" if os.environ.get("SHMSTORE_VLLM_HUGE_PAGES") == "off" else "auto",
                 )
+            except _native.MemoryLimit as e:
+                gb = vllm_config.model_config.get_multimodal_config().mm_processor_cache_gb
+                raise _native.MemoryLimit(
+                    f"{e}. vLLM sets the capacity: --mm-processor-cache-gb={gb:g}. Lower "
+                    "it, or raise the container's memory limit by as much"
+                ) from None
             except _native.InsufficientSpace as e:
                 # The capacity is vLLM's setting: say which one, and the usual fixes.
                 gb = vllm_config.model_config.get_multimodal_config().mm_processor_cache_gb
