@@ -10,7 +10,9 @@ multimodal cache and then with shmstore's, checking what an operator would see:
   server shuts down (Ctrl-C), with nothing left in its directory;
 * an instance with spawned workers (``shmstore-killed``; the others fork them, vLLM's
   default) gives the same answers, and killed with SIGKILL, leaves its store behind; the
-  next instance's start removes it;
+  next instance's start removes it. What vLLM itself left in /dev/shm (its message
+  queues' segments, which nothing removes after a crash) is printed beside it, then
+  removed, so that runs do not pile them up;
 * with data parallelism (``shmstore-dp-2``: two engines, two API servers), where vLLM
   switches its own cache off, shmstore's is used: the same answers, each image stored
   once, and every image seen before is a hit, whichever API server gets the request
@@ -209,6 +211,29 @@ def stores(shm_dir: str) -> list[str]:
     return sorted(os.listdir(shm_dir))
 
 
+#: Names vLLM's own shared memory takes in /dev/shm: Python's ``SharedMemory`` segments
+#: (vLLM's message queues between engine core and workers, its ``shm`` cache's ring) and
+#: ``multiprocessing``'s semaphores.
+VLLM_SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def left_in_dev_shm(before: set[str], shm_dir: str) -> list[tuple[str, int, int]]:
+    """What an instance left in /dev/shm outside the run's store directory: (name, size,
+    bytes in memory) for each file that was not there before it started. Those with
+    vLLM's names are removed once counted."""
+    left = []
+    for name in sorted(set(os.listdir("/dev/shm")) - before - {os.path.basename(shm_dir)}):
+        path = os.path.join("/dev/shm", name)
+        try:
+            st = os.stat(path)
+            left.append((name, st.st_size, st.st_blocks * 512))
+            if name.startswith(VLLM_SHM_PREFIXES):
+                os.unlink(path)
+        except OSError:
+            pass  # gone meanwhile
+    return left
+
+
 def run(config: str, model: str, shm_dir: str) -> dict:
     use = config.startswith("shmstore")
     killed = config == "shmstore-killed"
@@ -222,6 +247,7 @@ def run(config: str, model: str, shm_dir: str) -> dict:
     server = Server(model, shm_dir, use, extra, "spawn" if killed else "fork",
                     OPERATOR_NAMED if config == "shmstore-dp-2" else None)
     result: dict = {"config": config}
+    before = set(os.listdir("/dev/shm"))
     try:
         result["ready_s"] = server.wait_ready()
         answers, times = [], []
@@ -248,6 +274,7 @@ def run(config: str, model: str, shm_dir: str) -> dict:
     finally:
         result["exit"] = server.kill() if killed else server.stop()
         result["stores_after"] = stores(shm_dir)
+        result["dev_shm_left"] = left_in_dev_shm(before, shm_dir)
         result["shmstore_lines"] = server.lines("shmstore:")
         result["log"] = server.tail()
         server.log.close()
@@ -290,6 +317,14 @@ def main() -> int:
             if "hit_ms" in r:
                 print(f"  first sends {r['send_ms']:.0f} ms, hits {r['hit_ms']:.0f} ms per "
                       "request (means)")
+            if r["dev_shm_left"]:
+                mib = sum(size for _, size, _ in r["dev_shm_left"]) / (1 << 20)
+                held = sum(used for _, _, used in r["dev_shm_left"]) / (1 << 20)
+                print(f"  vLLM's own shared memory left in /dev/shm after "
+                      f"{'SIGKILL' if config == 'shmstore-killed' else 'shutdown'}: "
+                      f"{len(r['dev_shm_left'])} files, {mib:.0f} MiB ({held:.1f} MiB in "
+                      f"memory): {', '.join(n for n, _, _ in r['dev_shm_left'])}; nothing "
+                      "of vLLM's removes them (this check does)")
             if args.verbose:
                 print("\n".join(r["shmstore_lines"]))
             answers = r["answers"]
