@@ -185,7 +185,9 @@ class Store:
     ) -> Store:
         """Creates a named store (``/dev/shm/NAME``, or a path) of ``capacity`` bytes.
         ``huge_pages="auto"`` (the default) rebuilds the heap as 2 MiB pages in the
-        background where the kernel allows it; ``stats()["huge_page_bytes"]`` says how far."""
+        background where the kernel allows it; ``stats()["huge_page_bytes"]`` says how far.
+        Raises ``InsufficientSpace`` when the directory cannot hold the store, and its kind
+        ``MemoryLimit`` when this process's cgroup (a container's memory limit) has no room."""
     @staticmethod
     def open(
         name: str,

@@ -39,6 +39,10 @@ impl PyStore {
     /// the kernel allows it), "off" (4 KiB pages unless the file system gives huge ones),
     /// "try" ("auto" plus MADV_HUGEPAGE), "hugetlb" (explicit huge pages; the store must
     /// be in a hugetlbfs directory).
+    ///
+    /// Raises `InsufficientSpace` when the directory cannot hold the store, and its kind
+    /// `MemoryLimit` when this process's cgroup (a container's memory limit) has no room
+    /// for it.
     #[staticmethod]
     #[pyo3(signature = (name, capacity, *, max_objects=0, max_clients=0, evict=false,
                         remove_when_unused=false, prefault=false, huge_pages="auto"))]

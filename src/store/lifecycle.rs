@@ -13,8 +13,10 @@ use crate::HugePages;
 impl Store {
     /// Creates a named store `dir/name` (default dir `/dev/shm`) and attaches to it.
     ///
-    /// Fails with [`Error::StoreExists`] if the name is taken and with
-    /// [`Error::InsufficientSpace`] if the file system cannot hold it.
+    /// Fails with [`Error::StoreExists`] if the name is taken, with
+    /// [`Error::InsufficientSpace`] if the file system cannot hold it, and with
+    /// [`Error::MemoryLimit`] if the memory limit of this process's cgroup (a container's)
+    /// has no room for it.
     ///
     /// ```
     /// use shmstore::{Store, StoreConfig};
@@ -42,6 +44,8 @@ impl Store {
 
     /// Creates an anonymous store in a memfd. Share it with [`Store::fd`] (a child opens
     /// `/proc/<pid>/fd/<fd>` with [`Store::open_path`], or receives the descriptor).
+    /// Fails with [`Error::MemoryLimit`] if the memory limit of this process's cgroup has
+    /// no room for it.
     ///
     /// ```
     /// let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
