@@ -21,9 +21,13 @@ multimodal cache and then with shmstore's, checking what an operator would see:
   (``SHMSTORE_VLLM_STORE``), and is removed at shutdown all the same. ``vllm-dp-2`` runs
   vLLM alone the same way, beside it: its
   fallback (each API server a cache of its own, items sent in full) gives the same
-  answers, and its hit count is printed.
+  answers, and its hit count is printed;
+* in a memory cgroup whose limit is below the store (``shmstore-memory-limit``: a
+  container with ``--memory``; root only, skipped with the reason elsewhere), ``vllm
+  serve`` stops at start with the store's message naming vLLM's setting, and the kernel
+  kills nothing.
 
-    python check_serve.py MODEL_DIR [--only vllm,vllm-dp-2,shmstore,shmstore-killed,shmstore-dp-2]
+    python check_serve.py MODEL_DIR [--only vllm,vllm-dp-2,shmstore,shmstore-killed,shmstore-dp-2,shmstore-memory-limit]
 
 Exit status 0 when every check holds. Prints one line per configuration, with the time
 to first answer and the mean request latency (a tiny model on a CPU: the figures say
@@ -49,6 +53,7 @@ import urllib.request
 import numpy as np
 from PIL import Image
 
+import memcg
 import shmstore
 
 # (seed, width, height): three shapes, so the items differ in size as well as content.
@@ -85,7 +90,8 @@ class Server:
     """One ``vllm serve`` process group, its log in a temporary file."""
 
     def __init__(self, model: str, shm_dir: str, use_shmstore: bool, extra: list[str],
-                 start_method: str = "fork", store_name: str | None = None):
+                 start_method: str = "fork", store_name: str | None = None,
+                 cgroup: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
@@ -116,6 +122,9 @@ class Server:
             "--max-model-len", str(2048 * SCALE), "--dtype", "float32", "--enforce-eager",
             "--max-num-seqs", "4", "--limit-mm-per-prompt", '{"image": 2}', *extra,
         ]
+        if cgroup:
+            # In a memory cgroup from its first instruction, as in a container.
+            cmd = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup, *cmd]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.started = time.monotonic()
@@ -281,10 +290,59 @@ def run(config: str, model: str, shm_dir: str) -> dict:
     return result
 
 
+#: ``shmstore-memory-limit``: the memory limit of the cgroup vLLM runs in, and the store
+#: it asks for (``--mm-processor-cache-gb``), in GiB. The limit leaves vLLM itself (a tiny
+#: model on the CPU, 1 GiB of KV cache) several GiB.
+MEMORY_LIMIT_GIB, STORE_OVER_LIMIT_GIB = 10, 16
+
+
+def run_memory_limited(model: str, shm_dir: str) -> dict:
+    """``vllm serve`` with shmstore in a memory cgroup whose limit is below the store, as
+    in a container with ``--memory``: the start must fail with the store's message, and
+    the kernel must kill nothing (without the store's check it would kill the process
+    reserving the store, leaving nothing in the log)."""
+    try:
+        cg = memcg.child_memory_cgroup(MEMORY_LIMIT_GIB << 30, "shmstore-serve")
+    except memcg.Unavailable as e:
+        return {"skipped": str(e)}
+    server = Server(model, shm_dir, True, ["--mm-processor-cache-gb", str(STORE_OVER_LIMIT_GIB)],
+                    cgroup=cg)
+    result: dict = {}
+    try:
+        try:
+            result["exit"] = server.proc.wait(300)
+        except subprocess.TimeoutExpired:
+            result["exit"] = None  # it went on without its cache, or hangs
+        result["took_s"] = time.monotonic() - server.started
+    finally:
+        try:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        server.proc.wait()
+        result["oom_kills"] = memcg.oom_kills(cg)
+        result["said"] = server.lines("the memory limit of this process's cgroup")
+        result["stores_after"] = stores(shm_dir)
+        result["log"] = server.tail()
+        server.log.close()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                os.rmdir(cg)
+                break
+            except OSError:
+                # The group's last processes are still exiting: no event tells when.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
-    ap.add_argument("--only", default="vllm,vllm-dp-2,shmstore,shmstore-killed,shmstore-dp-2",
+    ap.add_argument("--only", default="vllm,vllm-dp-2,shmstore,shmstore-killed,shmstore-dp-2,"
+                    "shmstore-memory-limit",
                     help="configurations, comma-separated, in order (also: shmstore-2-api); "
                     "shmstore-killed is SIGKILLed and the next one must remove its store")
     ap.add_argument("--verbose", action="store_true", help="print the plugin's log lines")
@@ -308,6 +366,27 @@ def main() -> int:
         results: dict[str, dict] = {}
         left_by_crash: list[str] = []
         for config in configs:
+            if config == "shmstore-memory-limit":
+                r = run_memory_limited(os.path.abspath(args.model), shm_dir)
+                if "skipped" in r:
+                    print(f"{config}: skipped: {r['skipped']}")
+                    continue
+                print(f"{config}: a {STORE_OVER_LIMIT_GIB} GiB store in a container limited to "
+                      f"{MEMORY_LIMIT_GIB} GiB: vllm serve exited with {r['exit']} after "
+                      f"{r['took_s']:.1f} s")
+                check(r["exit"] not in (None, 0), "vllm serve stops at start")
+                check(bool(r["said"]) and any(f"--mm-processor-cache-gb={STORE_OVER_LIMIT_GIB}"
+                                              in line for line in r["said"]),
+                      "its log says the store does not fit under the memory limit, and names "
+                      "vLLM's setting")
+                check(r["oom_kills"] == 0, f"the kernel killed nothing ({r['oom_kills']} OOM kills)")
+                check(r["stores_after"] == [], f"nothing is left in the store directory "
+                      f"({r['stores_after']})")
+                if args.verbose or failures:
+                    print(r["log"])
+                if failures:
+                    break
+                continue
             r = run(config, os.path.abspath(args.model), shm_dir)
             results[config] = r
             print(f"{config}: ready in {r['ready_s']:.1f} s; first request "

@@ -457,40 +457,19 @@ def test_a_cache_larger_than_dev_shm_fails_at_start_naming_vllms_setting(store_e
     assert not os.path.exists(sv.store_path()), "nothing is left behind"
 
 
-def _child_memory_cgroup(limit: int) -> str:
-    """A new child of this process's memory cgroup (v1 or v2) limited to ``limit`` bytes;
-    skips the test where this process may not make one, or where swap makes the store
-    skip its check."""
-    with open("/proc/meminfo") as f:
-        if any(line.startswith("SwapTotal:") and line.split()[1] != "0" for line in f):
-            pytest.skip("this machine has swap, so the store does not check the limit")
-    with open("/proc/self/cgroup") as f:
-        lines = [line.rstrip("\n").split(":", 2) for line in f]
-    v1 = [path for _, controllers, path in lines if "memory" in controllers.split(",")]
-    v2 = [path for _, controllers, path in lines if controllers == ""]
-    base, path, limit_file = (
-        ("/sys/fs/cgroup/memory", v1[0], "memory.limit_in_bytes") if v1
-        else ("/sys/fs/cgroup", v2[0] if v2 else "/", "memory.max")
-    )
-    cg = os.path.join(base + path, f"shmstore-vllm-test-{os.getpid()}")
-    try:
-        os.mkdir(cg)
-        with open(os.path.join(cg, limit_file), "w") as f:
-            f.write(str(limit))
-    except OSError as e:
-        if os.path.isdir(cg):
-            os.rmdir(cg)
-        pytest.skip(f"cannot make a memory cgroup with a limit here ({e})")
-    return cg
-
-
 def test_a_cache_over_the_containers_memory_limit_fails_at_start_naming_vllms_setting(
     store_env,
 ):
     # Shared memory counts against the container's memory limit, and past it the kernel
     # kills the process that reserves it (the API server, with nothing in the log). The
     # operator must instead learn at start which setting to lower or which limit to raise.
-    cg = _child_memory_cgroup(256 << 20)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "serve"))
+    import memcg
+
+    try:
+        cg = memcg.child_memory_cgroup(256 << 20, "shmstore-vllm-test")
+    except memcg.Unavailable as e:
+        pytest.skip(str(e))
     try:
         r = run(
             f"""
@@ -517,6 +496,7 @@ def test_a_cache_over_the_containers_memory_limit_fails_at_start_naming_vllms_se
         assert f"({cg}: 256.0 MiB)" in r.stdout, r.stdout
         assert "--mm-processor-cache-gb=0.5" in r.stdout and "memory limit" in r.stdout, r.stdout
         assert "left: False" in r.stdout, "nothing is left behind"
+        assert memcg.oom_kills(cg) == 0, "the kernel killed nothing"
     finally:
         os.rmdir(cg)
 
