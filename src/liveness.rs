@@ -192,6 +192,21 @@ pub(crate) fn any_lock_held(file: &File) -> bool {
     rc == -1 || fl.l_type != libc::F_UNLCK as libc::c_short
 }
 
+/// Takes an OFD write lock on the whole file through `file`'s own description: `true`
+/// when no other description held a lock on any byte of it (and none can take one now).
+/// The lock goes when `file` is closed.
+pub(crate) fn try_lock_whole_file(file: &File) -> bool {
+    // SAFETY: flock is plain old data; all-zero is a valid value (l_pid must be 0 for OFD
+    // locks; l_start = l_len = 0 is the whole file).
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: `file` is an open descriptor for the duration of the call; `fl` is a valid
+    // flock the kernel reads.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) };
+    rc == 0
+}
+
 impl Drop for LockFile {
     fn drop(&mut self) {
         // In a forked child the fork handler has closed the descriptor and emptied the

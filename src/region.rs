@@ -486,7 +486,7 @@ impl Mapping {
         }
     }
 
-    /// Creates a named store file: reserve, map, write the superblock, lock byte 0, then
+    /// Creates a named store file: lock byte 0, reserve, map, write the superblock, then
     /// publish the name. The lock (returned) shows the store in use until its creator
     /// has attached and holds a slot lock of its own: drop it after that.
     pub(crate) fn create_named(
@@ -498,11 +498,48 @@ impl Mapping {
         prefault: bool,
         progress: bool,
     ) -> Result<(Mapping, LockFile)> {
+        let (m, creating, tmp) = Self::build_named(dir, name, sb, mode, huge, prefault, progress)?;
+        let path = dir.join(name);
+        let cleanup = |e: Error| {
+            let _ = std::fs::remove_file(&tmp);
+            e
+        };
+        match std::fs::hard_link(&tmp, &path) {
+            Ok(()) => {
+                let _ = std::fs::remove_file(&tmp);
+                Ok((m, creating))
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                Err(cleanup(Error::StoreExists { path }))
+            }
+            Err(e) => Err(cleanup(Error::Io {
+                op: "link",
+                path,
+                source: e,
+            })),
+        }
+    }
+
+    /// Everything [`Mapping::create_named`] does but publishing the name: the store, built
+    /// under a temporary name ([`creation_name`]) whose byte 0 it locks before anything
+    /// else, so that [`sweep_abandoned_creations`] can tell a creation in progress from
+    /// one whose creator was killed. Returns the temporary path with the mapping and lock.
+    pub(crate) fn build_named(
+        dir: &Path,
+        name: &str,
+        sb: &Superblock,
+        mode: u32,
+        huge: HugePages,
+        prefault: bool,
+        progress: bool,
+    ) -> Result<(Mapping, LockFile, PathBuf)> {
         check_name(name)?;
         let path = dir.join(name);
         if path.exists() {
             return Err(Error::StoreExists { path });
         }
+        // What creators killed mid-way left here holds memory: return it first.
+        sweep_abandoned_creations(dir);
         // hugetlbfs reports no free space without a size= limit; its fallocate says.
         let free = free_space(dir).filter(|_| !is_hugetlbfs(dir));
         if let Some(avail) = free {
@@ -514,18 +551,37 @@ impl Mapping {
                 });
             }
         }
-        let nonce = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let tmp = dir.join(format!(".{name}.{}.{nonce}.tmp", std::process::id()));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .open(&tmp)
-            .map_err(io_err("create", &tmp))?;
+        let mut attempts = 0;
+        let (file, tmp, creating) = loop {
+            let nonce = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            let tmp = dir.join(creation_name(name, std::process::id(), nonce));
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(mode)
+                .open(&tmp)
+                .map_err(io_err("create", &tmp))?;
+            let creating = LockFile::open(&file, Some(&tmp)).inspect_err(|_| {
+                let _ = std::fs::remove_file(&tmp);
+            })?;
+            if creating.try_lock(0) {
+                break (file, tmp, creating);
+            }
+            // A sweep in another process locked the new file first, taking it for an
+            // abandoned creation: it removes it. Start over under another name.
+            attempts += 1;
+            if attempts == 3 {
+                return Err(Error::Io {
+                    op: "lock",
+                    path: tmp,
+                    source: io::Error::from(io::ErrorKind::WouldBlock),
+                });
+            }
+        };
         let cleanup = |e: Error| {
             let _ = std::fs::remove_file(&tmp);
             e
@@ -546,30 +602,7 @@ impl Mapping {
         let map = map(&file, len, &tmp).map_err(cleanup)?;
         let m = Mapping::finish(map, len, file, Some(path.clone()), huge, prefault);
         m.write_superblock(sb);
-        // Until the creator holds its slot's lock, this one tells `remove_if_unused` (which
-        // looks for any lock) that the new name is in use.
-        let creating = LockFile::open(&m.file, Some(&tmp)).map_err(cleanup)?;
-        if !creating.try_lock(0) {
-            return Err(cleanup(Error::Io {
-                op: "lock",
-                path: tmp.clone(),
-                source: io::Error::last_os_error(),
-            }));
-        }
-        match std::fs::hard_link(&tmp, &path) {
-            Ok(()) => {
-                let _ = std::fs::remove_file(&tmp);
-                Ok((m, creating))
-            }
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                Err(cleanup(Error::StoreExists { path }))
-            }
-            Err(e) => Err(cleanup(Error::Io {
-                op: "link",
-                path,
-                source: e,
-            })),
-        }
+        Ok((m, creating, tmp))
     }
 
     /// Creates an anonymous store in a sealed memfd.
@@ -751,6 +784,67 @@ impl Mapping {
     }
 }
 
+/// The end of the temporary name a store is built under before its name is published.
+const CREATION_SUFFIX: &str = ".shmstore-creating";
+
+/// The temporary name a store `name` is built under: `.NAME.PID.NONCE.shmstore-creating`
+/// (hidden, and never a valid store name, which cannot start with '.').
+fn creation_name(name: &str, pid: u32, nonce: u128) -> String {
+    format!(".{name}.{pid}.{nonce}{CREATION_SUFFIX}")
+}
+
+/// Whether `file_name` has the shape of [`creation_name`].
+fn is_creation_name(file_name: &str) -> bool {
+    let Some(stem) = file_name
+        .strip_prefix('.')
+        .and_then(|s| s.strip_suffix(CREATION_SUFFIX))
+    else {
+        return false;
+    };
+    let mut parts = stem.rsplitn(3, '.');
+    let digits =
+        |s: Option<&str>| s.is_some_and(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()));
+    digits(parts.next()) && digits(parts.next()) && parts.next().is_some_and(|n| !n.is_empty())
+}
+
+/// Removes from `dir` the stores whose creator was killed before publishing them (while
+/// reserving a large store, say): files named like a creation in progress on which no
+/// process holds any lock. A creator locks its file's byte 0 before anything else and
+/// keeps a lock until its name is published, so an unlocked one has no live creator; the
+/// sweep takes the whole file's lock before removing it, so that a creator which has just
+/// made its file and not locked it yet fails to, and starts over under another name. Files
+/// that cannot be opened read-write (another user's) or are not regular files are left
+/// alone. Returns how many were removed.
+pub(crate) fn sweep_abandoned_creations(dir: &Path) -> usize {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        if !entry.file_name().to_str().is_some_and(is_creation_name) {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(file) = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
+        else {
+            continue;
+        };
+        if file.metadata().is_ok_and(|m| m.is_file())
+            && crate::liveness::try_lock_whole_file(&file)
+            && std::fs::remove_file(&path).is_ok()
+        {
+            removed += 1;
+        }
+        // The lock goes with `file`.
+    }
+    removed
+}
+
 fn check_name(name: &str) -> Result<()> {
     if name.is_empty() || name.len() > 200 || name.contains('/') || name.starts_with('.') {
         return Err(Error::InvalidConfig {
@@ -768,6 +862,24 @@ const _: () = assert!(PAGE == 4096);
 mod tests {
     use super::*;
     use crate::layout::Params;
+
+    #[test]
+    fn creation_names_are_recognised_and_nothing_else_is() {
+        let n = creation_name("mm-cache.v2", 1234, 1_796_436_389_842_196_940);
+        assert_eq!(n, ".mm-cache.v2.1234.1796436389842196940.shmstore-creating");
+        assert!(is_creation_name(&n));
+        for other in [
+            "mm-cache",
+            ".mm-cache.1234.56.tmp",
+            "..1234.56.shmstore-creating",
+            ".x.12a.56.shmstore-creating",
+            ".x.12..shmstore-creating",
+            ".1234.56.shmstore-creating",
+            ".shmstore-creating",
+        ] {
+            assert!(!is_creation_name(other), "{other}");
+        }
+    }
 
     #[test]
     fn a_new_name_is_locked_until_its_creator_lets_go() {

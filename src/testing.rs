@@ -594,3 +594,15 @@ pub fn memory_cgroup() -> Option<(std::path::PathBuf, &'static str)> {
         },
     ))
 }
+
+/// Builds the named store `dir/name` of `capacity` bytes up to the point where its name
+/// would be published, and stops: what a creator killed during `Store::create` (while
+/// reserving a large store, say) leaves. Returns the temporary file's path; the process
+/// must then be killed.
+pub fn build_store_and_stop(
+    dir: &std::path::Path,
+    name: &str,
+    capacity: u64,
+) -> crate::Result<std::path::PathBuf> {
+    Store::build_and_stop(dir, name, capacity)
+}

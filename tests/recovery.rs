@@ -26,6 +26,18 @@ fn kill(mut p: Proc) {
 #[ignore = "child process entry point, started by the other tests"]
 fn child_entry() {
     let (role, args) = child_role().expect("child_entry runs only as a child process");
+    if role == "build-and-stop" {
+        // A creator stopped where a kill while it reserves a large store would leave it.
+        let tmp = shmstore::testing::build_store_and_stop(
+            Path::new(&args[0]),
+            &args[1],
+            args[2].parse().unwrap(),
+        )
+        .unwrap();
+        say(tmp.display());
+        let _ = hear();
+        return;
+    }
     // Roles that die in the middle of attaching: they must not attach first.
     if let Some(take_dead) = match role.as_str() {
         "claim-free-and-stall" => Some(false),
@@ -347,6 +359,70 @@ fn a_store_left_by_a_crashed_run_is_detected_and_reused() {
     let st = reopened.stats();
     assert_eq!(st.recovered_clients, 1, "{st:?}");
     assert_eq!(&*reopened.try_get(&id).unwrap(), b"kept");
+}
+
+/// Bytes of memory a file holds (its allocated blocks).
+fn held_bytes(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+#[test]
+fn a_creator_killed_before_publishing_its_store_leaves_nothing_for_long() {
+    // A directory of its own: what is in it at the end is this test's doing.
+    let dir = std::env::temp_dir().join(format!("shmstore-test-creations-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir(&dir).unwrap();
+    struct RemoveDir(std::path::PathBuf);
+    impl Drop for RemoveDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _guard = RemoveDir(dir.clone());
+    let cfg = StoreConfig {
+        dir: dir.clone(),
+        ..StoreConfig::with_capacity(1 << 20)
+    };
+    let capacity = 64u64 << 20;
+    let mut p = common::spawn(
+        common::CHILD_ENTRY,
+        "build-and-stop",
+        &[
+            dir.display().to_string(),
+            "big".into(),
+            capacity.to_string(),
+        ],
+    );
+    let tmp = std::path::PathBuf::from(p.recv());
+    assert!(tmp.starts_with(&dir), "{tmp:?}");
+    assert!(
+        held_bytes(&tmp) >= capacity,
+        "the creator reserved its memory"
+    );
+    assert!(!dir.join("big").exists(), "not published");
+
+    // While its creator lives, another creation in the directory leaves its file alone.
+    let other = Store::create("other", &cfg).unwrap();
+    assert!(tmp.exists(), "a live creator's file was removed");
+    other.unlink().unwrap();
+    drop(other);
+
+    // Killed: the next creation in the directory removes the file, and with it the
+    // memory it held; the name it was building is free.
+    kill(p);
+    assert!(tmp.exists(), "nothing removes it before a sweep");
+    let next = Store::create("next", &cfg).unwrap();
+    assert!(!tmp.exists(), "the killed creator's file is still there");
+    let mut left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["next"]);
+    let big = Store::create("big", &cfg).unwrap();
+    big.unlink().unwrap();
+    next.unlink().unwrap();
 }
 
 #[test]

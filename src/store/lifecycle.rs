@@ -190,6 +190,24 @@ impl Store {
         Inner::claim_and_stop(map, sb, take_dead)
     }
 
+    /// See [`crate::testing::build_store_and_stop`].
+    pub(crate) fn build_and_stop(
+        dir: &Path,
+        name: &str,
+        capacity: u64,
+    ) -> Result<std::path::PathBuf> {
+        let cfg = StoreConfig {
+            dir: dir.to_path_buf(),
+            ..StoreConfig::with_capacity(capacity)
+        };
+        let sb = Self::superblock_for(&cfg)?;
+        let (map, creating, tmp) =
+            Mapping::build_named(dir, name, &sb, cfg.mode, HugePages::Off, false, false)?;
+        // Held until the process is killed, as a creator stopped there holds them.
+        std::mem::forget((map, creating));
+        Ok(tmp)
+    }
+
     fn superblock_for(cfg: &StoreConfig) -> Result<Superblock> {
         let mut sb = cfg.params().layout()?;
         if cfg.when_full == WhenFull::Evict {
