@@ -151,6 +151,12 @@ impl Store {
     /// # Ok::<(), shmstore::Error>(())
     /// ```
     pub fn recover(&self) -> Result<RecoveryReport> {
+        self.recover_backing_off(50)
+    }
+
+    /// [`Store::recover`], looking again up to `tries` times, 2 ms apart, for a moment to
+    /// run the leak sweep.
+    pub(crate) fn recover_backing_off(&self, tries: u32) -> Result<RecoveryReport> {
         if self.inner.read_only {
             return Err(Error::ReadOnly { op: "recover" });
         }
@@ -159,8 +165,9 @@ impl Store {
         let mut report = world.recover_dead();
         // The sweep needs a moment when no attached process is inside an allocator step.
         // No event marks such a moment (steps end without a wake-up), so back off briefly
-        // and look again, ~0.1 s at most; if none comes it stays owed for the schedule.
-        for _ in 0..50 {
+        // and look again (`recover`: ~0.1 s at most); if none comes it stays owed for the
+        // schedule.
+        for _ in 0..tries {
             if !report.sweep_pending {
                 break;
             }
