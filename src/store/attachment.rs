@@ -216,6 +216,28 @@ const RETRY_PAUSES: [Duration; 3] = [
 /// the extra chunk, a first 64 MiB put zeroed that chunk's 2 MiB itself).
 const FIRST_POPULATED: u64 = (64 << 20) + POPULATE_CHUNK;
 
+/// Waits `pause`, or less when `stop` says so: `false` if it stopped. Looks every
+/// [`STOP_POLL`]: the pauses before collapse retries last up to a second, and dropping
+/// the store (which stops the thread and waits for it) must not wait them out. A poll, not
+/// a wait for an event: the thread only warms pages ahead of use, so stopping a few
+/// milliseconds late changes no result.
+pub(super) fn pause_unless_stopped(pause: Duration, stop: &impl Fn() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + pause;
+    loop {
+        if stop() {
+            return false;
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return true;
+        }
+        std::thread::sleep(left.min(STOP_POLL));
+    }
+}
+
+/// How often a pause of the background thread looks at its stop flag.
+const STOP_POLL: Duration = Duration::from_millis(5);
+
 impl Drop for Inner {
     fn drop(&mut self) {
         self.stop_populating();
@@ -786,7 +808,9 @@ impl Inner {
             if chunks.is_empty() {
                 return;
             }
-            std::thread::sleep(pause);
+            if !pause_unless_stopped(pause, &stop) {
+                return;
+            }
             let mut failed = Vec::new();
             for off in chunks {
                 if stop() || !self.may_collapse() {

@@ -300,6 +300,32 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_pause_of_the_background_thread_ends_when_it_is_told_to_stop() {
+        use crate::sync::{AtomicU32, Ordering};
+        use std::sync::Arc;
+        use std::time::{Duration, Instant};
+        let flag = Arc::new(AtomicU32::new(0));
+        let f = flag.clone();
+        let t = Instant::now();
+        let pausing = std::thread::spawn(move || {
+            super::super::attachment::pause_unless_stopped(Duration::from_secs(60), &|| {
+                f.load(Ordering::Relaxed) != 0
+            })
+        });
+        flag.store(1, Ordering::Relaxed);
+        assert!(!pausing.join().unwrap(), "a stopped pause says so");
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "it waited out {:?}",
+            t.elapsed()
+        );
+        assert!(super::super::attachment::pause_unless_stopped(
+            Duration::from_millis(1),
+            &|| false
+        ));
+    }
+
+    #[test]
     fn prefault_stops_the_background_population_first() {
         let cfg = StoreConfig {
             prefault: false,
