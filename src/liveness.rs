@@ -175,20 +175,27 @@ impl LockFile {
     }
 }
 
-/// Whether any open file description holds a lock on any byte of the file `file` is
-/// open on: a whole-file `F_OFD_GETLK` through `file`'s own description, which holds no
-/// lock. Every attached client holds one on its slot's byte (and a creator on byte 0
-/// until it is attached), so "no lock" means no live process is attached, whatever
-/// layout the file has. If the kernel cannot tell, it counts as locked.
-pub(crate) fn any_lock_held(file: &File) -> bool {
+/// A whole-file OFD write-lock request `cmd` (`F_OFD_GETLK` or `F_OFD_SETLK`) through
+/// `file`'s own description: the call's result and the `flock` the kernel filled in.
+fn whole_file_lock(file: &File, cmd: libc::c_int) -> (libc::c_int, libc::flock) {
     // SAFETY: flock is plain old data; all-zero is a valid value (l_pid must be 0 for OFD
     // locks; l_start = l_len = 0 is the whole file).
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
     fl.l_type = libc::F_WRLCK as libc::c_short;
     fl.l_whence = libc::SEEK_SET as libc::c_short;
     // SAFETY: `file` is an open descriptor for the duration of the call; `fl` is a valid
-    // flock the kernel reads and writes.
-    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
+    // flock the kernel reads and, for GETLK, writes.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), cmd, &mut fl) };
+    (rc, fl)
+}
+
+/// Whether any open file description holds a lock on any byte of the file `file` is
+/// open on: a whole-file `F_OFD_GETLK` through `file`'s own description, which holds no
+/// lock. Every attached client holds one on its slot's byte (and a creator on byte 0
+/// until it is attached), so "no lock" means no live process is attached, whatever
+/// layout the file has. If the kernel cannot tell, it counts as locked.
+pub(crate) fn any_lock_held(file: &File) -> bool {
+    let (rc, fl) = whole_file_lock(file, libc::F_OFD_GETLK);
     rc == -1 || fl.l_type != libc::F_UNLCK as libc::c_short
 }
 
@@ -196,15 +203,7 @@ pub(crate) fn any_lock_held(file: &File) -> bool {
 /// when no other description held a lock on any byte of it (and none can take one now).
 /// The lock goes when `file` is closed.
 pub(crate) fn try_lock_whole_file(file: &File) -> bool {
-    // SAFETY: flock is plain old data; all-zero is a valid value (l_pid must be 0 for OFD
-    // locks; l_start = l_len = 0 is the whole file).
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = libc::F_WRLCK as libc::c_short;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
-    // SAFETY: `file` is an open descriptor for the duration of the call; `fl` is a valid
-    // flock the kernel reads.
-    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) };
-    rc == 0
+    whole_file_lock(file, libc::F_OFD_SETLK).0 == 0
 }
 
 impl Drop for LockFile {
