@@ -16,6 +16,19 @@
 //! processes the same way. Nobody ever waits on these locks: `F_OFD_SETLK` either takes a
 //! free byte at once or fails, and `F_OFD_GETLK` only looks.
 //!
+//! # Removing a store's name
+//! Removing an unused store (`Store::remove_if_unused`, or the last process of a
+//! `remove_when_unused` store leaving) takes a read lock on the whole file through a
+//! description of its own ([`LockFile::try_lock_all_shared`]) and unlinks the name while it
+//! holds it. The read lock conflicts with every slot's write lock, so a process attaching
+//! at that moment has either locked its slot first (the lock fails and nothing is
+//! removed), fails to lock any slot while the lock is held, or locks its slot after the
+//! name is gone; `Store::open_path` then finds the name no longer leads to the file it
+//! attached and opens the name again (`StoreNotFound` if nothing is there). Without the
+//! lock, a look (`F_OFD_GETLK`) then an unlink left a moment in which a process attached
+//! to a store whose name was then removed: it worked on alone, and every later process
+//! made a new store under the name (two stores where the users meant one).
+//!
 //! # Fork
 //! A child made by `fork()` inherits the parent's descriptors, and with them a reference
 //! to every lock OFD: left alone, the parent's slots would look alive for as long as the
@@ -97,13 +110,26 @@ impl LockFile {
     /// Opens a new OFD of the file behind `file` (through `/proc/self/fd`, which works for
     /// memfds too; `path` is the fallback where /proc is not mounted).
     pub(crate) fn open(file: &File, path: Option<&Path>) -> Result<LockFile> {
+        Self::open_description(file, path, true)
+    }
+
+    /// [`open`](Self::open) for removing the store ([`try_lock_all_shared`]): read-write
+    /// where the file allows it, read-only otherwise (a read lock needs no more).
+    ///
+    /// [`try_lock_all_shared`]: Self::try_lock_all_shared
+    pub(crate) fn open_for_removal(file: &File, path: Option<&Path>) -> Result<LockFile> {
+        Self::open_description(file, path, true)
+            .or_else(|_| Self::open_description(file, path, false))
+    }
+
+    fn open_description(file: &File, path: Option<&Path>, write: bool) -> Result<LockFile> {
         use std::os::unix::fs::OpenOptionsExt;
         register_fork_handler();
         let proc_path = format!("/proc/self/fd/{}", file.as_raw_fd());
         let open = |p: &Path| {
             std::fs::OpenOptions::new()
                 .read(true)
-                .write(true)
+                .write(write)
                 .custom_flags(libc::O_CLOEXEC)
                 .open(p)
         };
@@ -136,13 +162,25 @@ impl LockFile {
     }
 
     fn flock(&self, cmd: libc::c_int, ty: libc::c_short, offset: u64) -> io::Result<libc::flock> {
+        self.flock_range(cmd, ty, offset, 1)
+    }
+
+    /// An OFD lock request on `len` bytes from `offset` (`len` 0: to the end of the file,
+    /// however far it grows).
+    fn flock_range(
+        &self,
+        cmd: libc::c_int,
+        ty: libc::c_short,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<libc::flock> {
         // SAFETY: flock is plain old data; all-zero is a valid value (l_pid must be 0 for
         // OFD locks).
         let mut fl: libc::flock = unsafe { std::mem::zeroed() };
         fl.l_type = ty;
         fl.l_whence = libc::SEEK_SET as libc::c_short;
         fl.l_start = offset as libc::off_t;
-        fl.l_len = 1;
+        fl.l_len = len as libc::off_t;
         // SAFETY: `fd` is our open descriptor (the entry in LOCK_FDS is ours until Drop);
         // `fl` is a valid flock the kernel reads and, for GETLK, writes.
         let rc = unsafe { libc::fcntl(self.fd, cmd, &mut fl) };
@@ -156,6 +194,17 @@ impl LockFile {
     /// Takes the lock on byte `offset` for this attachment; `false` if another OFD holds it.
     pub(crate) fn try_lock(&self, offset: u64) -> bool {
         self.flock(libc::F_OFD_SETLK, libc::F_WRLCK as libc::c_short, offset)
+            .is_ok()
+    }
+
+    /// Takes a read lock on every byte of the file: `false` if any other description holds
+    /// a lock on any byte, as every attached client does on its slot's byte and a creator
+    /// on byte 0. Held while a store's name is removed, so that a process attaching at
+    /// that moment either locked its slot first (and the store is not removed) or locks it
+    /// after the name is gone, which it then checks (`Store::open_path`). Removers do not
+    /// exclude each other: each checks the name still leads to its file before unlinking.
+    pub(crate) fn try_lock_all_shared(&self) -> bool {
+        self.flock_range(libc::F_OFD_SETLK, libc::F_RDLCK as libc::c_short, 0, 0)
             .is_ok()
     }
 
@@ -175,35 +224,18 @@ impl LockFile {
     }
 }
 
-/// A whole-file OFD write-lock request `cmd` (`F_OFD_GETLK` or `F_OFD_SETLK`) through
-/// `file`'s own description: the call's result and the `flock` the kernel filled in.
-fn whole_file_lock(file: &File, cmd: libc::c_int) -> (libc::c_int, libc::flock) {
+/// Takes an OFD write lock on the whole file through `file`'s own description: `true`
+/// when no other description held a lock on any byte of it (and none can take one now).
+/// The lock goes when `file` is closed.
+pub(crate) fn try_lock_whole_file(file: &File) -> bool {
     // SAFETY: flock is plain old data; all-zero is a valid value (l_pid must be 0 for OFD
     // locks; l_start = l_len = 0 is the whole file).
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
     fl.l_type = libc::F_WRLCK as libc::c_short;
     fl.l_whence = libc::SEEK_SET as libc::c_short;
     // SAFETY: `file` is an open descriptor for the duration of the call; `fl` is a valid
-    // flock the kernel reads and, for GETLK, writes.
-    let rc = unsafe { libc::fcntl(file.as_raw_fd(), cmd, &mut fl) };
-    (rc, fl)
-}
-
-/// Whether any open file description holds a lock on any byte of the file `file` is
-/// open on: a whole-file `F_OFD_GETLK` through `file`'s own description, which holds no
-/// lock. Every attached client holds one on its slot's byte (and a creator on byte 0
-/// until it is attached), so "no lock" means no live process is attached, whatever
-/// layout the file has. If the kernel cannot tell, it counts as locked.
-pub(crate) fn any_lock_held(file: &File) -> bool {
-    let (rc, fl) = whole_file_lock(file, libc::F_OFD_GETLK);
-    rc == -1 || fl.l_type != libc::F_UNLCK as libc::c_short
-}
-
-/// Takes an OFD write lock on the whole file through `file`'s own description: `true`
-/// when no other description held a lock on any byte of it (and none can take one now).
-/// The lock goes when `file` is closed.
-pub(crate) fn try_lock_whole_file(file: &File) -> bool {
-    whole_file_lock(file, libc::F_OFD_SETLK).0 == 0
+    // flock the kernel reads.
+    unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) == 0 }
 }
 
 impl Drop for LockFile {

@@ -568,11 +568,11 @@ impl Mapping {
             let creating = LockFile::open(&file, Some(&tmp)).inspect_err(|_| {
                 let _ = std::fs::remove_file(&tmp);
             })?;
-            if creating.try_lock(0) {
+            if locked_and_linked(&file, &creating) {
                 break (file, tmp, creating);
             }
             // A sweep in another process locked the new file first, taking it for an
-            // abandoned creation: it removes it. Start over under another name.
+            // abandoned creation: it removes it, or has. Start over under another name.
             attempts += 1;
             if attempts == 3 {
                 return Err(Error::Io {
@@ -751,17 +751,13 @@ impl Mapping {
         self.path.as_deref()
     }
 
-    /// The backing file.
     /// Whether `path` still names the file this mapping was made from (same device and
     /// inode): a store removed and re-created under the same name is another file.
     pub(crate) fn same_file_as(&self, path: &Path) -> bool {
-        use std::os::unix::fs::MetadataExt;
-        match (self.file.metadata(), std::fs::metadata(path)) {
-            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-            _ => false,
-        }
+        same_file(&self.file, path)
     }
 
+    /// The backing file.
     pub(crate) fn file(&self) -> &File {
         &self.file
     }
@@ -781,6 +777,16 @@ impl Mapping {
             _ if self.huge_pages() => thp_size(),
             _ => PAGE,
         }
+    }
+}
+
+/// Whether `path` (followed through symbolic links, as opening it does) leads to the
+/// file `file` is open on.
+pub(crate) fn same_file(file: &File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
     }
 }
 
@@ -845,6 +851,16 @@ pub(crate) fn sweep_abandoned_creations(dir: &Path) -> usize {
     removed
 }
 
+/// Locks byte 0 of a creator's new temporary file and checks that its name is still
+/// there. A sweep ([`sweep_abandoned_creations`]) in another process may have found the
+/// file before the creator locked it: it removes the name while it holds the whole file's
+/// lock, so the creator's lock either fails, or succeeds after the name is gone (the file
+/// then has no link left, and a store built in it could never be published).
+fn locked_and_linked(file: &File, creating: &LockFile) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    creating.try_lock(0) && file.metadata().is_ok_and(|m| m.nlink() > 0)
+}
+
 fn check_name(name: &str) -> Result<()> {
     if name.is_empty() || name.len() > 200 || name.contains('/') || name.starts_with('.') {
         return Err(Error::InvalidConfig {
@@ -882,6 +898,45 @@ mod tests {
     }
 
     #[test]
+    fn a_creator_starts_over_when_a_sweep_took_its_new_file() {
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = Path::new("/dev/shm").join(format!("shmstore-sweep-race-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = dir.join(creation_name("race", std::process::id(), 1));
+        let new_file = || {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .unwrap()
+        };
+        // The sweep found the file first, removed it and let go before the creator
+        // locked it: the creator's lock succeeds, on a file that can never be published.
+        let file = new_file();
+        let creating = LockFile::open(&file, Some(&tmp)).unwrap();
+        assert_eq!(sweep_abandoned_creations(&dir), 1);
+        assert!(!locked_and_linked(&file, &creating));
+        // The sweep still holds the file's lock: the creator's fails.
+        let file = new_file();
+        let creating = LockFile::open(&file, Some(&tmp)).unwrap();
+        let sweeper = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&tmp)
+            .unwrap();
+        assert!(crate::liveness::try_lock_whole_file(&sweeper));
+        assert!(!locked_and_linked(&file, &creating));
+        drop(sweeper);
+        // Nobody interfered: the creator has its file, and sweeps leave it alone.
+        assert!(locked_and_linked(&file, &creating));
+        assert_eq!(sweep_abandoned_creations(&dir), 0);
+        assert!(tmp.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn a_new_name_is_locked_until_its_creator_lets_go() {
         // `remove_if_unused` must not take a store whose creator has published its name
         // but not attached yet: the name appears with byte 0 locked.
@@ -897,12 +952,11 @@ mod tests {
         let (m, creating) =
             Mapping::create_named(dir, &name, &sb, 0o600, HugePages::Off, false, false).unwrap();
         let path = dir.join(&name);
-        let look = || crate::liveness::any_lock_held(&File::open(&path).unwrap());
-        assert!(look());
+        assert!(!crate::Store::remove_if_unused(&path).unwrap());
         drop(creating);
-        assert!(!look());
+        assert!(crate::Store::remove_if_unused(&path).unwrap());
+        assert!(!path.exists());
         drop(m);
-        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

@@ -609,3 +609,17 @@ pub fn build_store_and_stop(
 ) -> crate::Result<std::path::PathBuf> {
     Store::build_and_stop(dir, name, capacity)
 }
+
+/// [`Store::open_path`], running `before_attach` once the file is mapped and checked and
+/// before a client slot is claimed: for tests of what happens when the store's name is
+/// removed (or taken by another store) in that moment.
+pub fn open_path_after(
+    path: impl AsRef<std::path::Path>,
+    mut before_attach: impl FnMut(),
+) -> crate::Result<Store> {
+    Store::open_attaching(
+        path.as_ref(),
+        &crate::AttachOptions::default(),
+        &mut before_attach,
+    )
+}

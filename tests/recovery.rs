@@ -442,6 +442,92 @@ fn a_store_whose_processes_all_died_is_removed_and_one_in_use_is_not() {
 }
 
 #[test]
+fn a_process_attaching_as_the_store_is_removed_is_never_left_alone_with_it() {
+    // The name goes between the moment a process opens the file and the moment it locks
+    // its client slot. Attaching to the removed file would leave that process working on
+    // a store nobody else can find, while every later process makes a new one under the
+    // name. It opens the name again instead.
+    let (store, c) = new_store(
+        "removed-while-attaching",
+        StoreConfig::with_capacity(1 << 20),
+    );
+    drop(store);
+    let opened = shmstore::testing::open_path_after(&c.0, || {
+        assert!(Store::remove_if_unused(&c.0).unwrap());
+    });
+    assert!(
+        matches!(opened, Err(Error::StoreNotFound { .. })),
+        "attached to a store whose name was removed: {:?}",
+        opened.map(|s| s.stats().clients)
+    );
+
+    // A new store took the name meanwhile: the process attaches to that one, which
+    // everyone else uses.
+    let cfg = StoreConfig::with_capacity(1 << 20);
+    let name = c.0.file_name().unwrap().to_str().unwrap().to_string();
+    drop(Store::create(&name, &cfg).unwrap());
+    let mut successor = None;
+    let opened = shmstore::testing::open_path_after(&c.0, || {
+        assert!(Store::remove_if_unused(&c.0).unwrap());
+        let s = Store::create(&name, &cfg).unwrap();
+        s.put(&ObjectId::of_key(b"successor"), b"here").unwrap();
+        successor = Some(s);
+    })
+    .unwrap();
+    assert_eq!(
+        &*opened.try_get(&ObjectId::of_key(b"successor")).unwrap(),
+        b"here"
+    );
+    assert_eq!(opened.stats().clients, 2);
+}
+
+#[test]
+fn a_process_attaching_as_the_last_one_leaves_is_never_left_alone_with_the_store() {
+    // The same with a store that removes itself when its last process leaves.
+    let cfg = StoreConfig {
+        remove_when_unused: true,
+        ..StoreConfig::with_capacity(1 << 20)
+    };
+    let (store, c) = new_store("last-leaves-while-attaching", cfg);
+    let mut last = Some(store);
+    let opened = shmstore::testing::open_path_after(&c.0, || drop(last.take()));
+    assert!(!c.0.exists(), "the last process to leave removes the store");
+    assert!(
+        matches!(opened, Err(Error::StoreNotFound { .. })),
+        "attached to a store whose name was removed: {:?}",
+        opened.map(|s| s.stats().clients)
+    );
+}
+
+#[test]
+fn a_process_attaching_while_a_removal_holds_its_lock_opens_the_name_again() {
+    // A remover holds a read lock on the whole file while it unlinks the name; every
+    // slot's lock fails meanwhile. Here it has unlinked the name and not let go yet.
+    use std::os::fd::AsRawFd;
+    let (store, c) = new_store("removal-lock", StoreConfig::with_capacity(1 << 20));
+    drop(store);
+    let mut remover = None;
+    let opened = shmstore::testing::open_path_after(&c.0, || {
+        let f = std::fs::File::open(&c.0).unwrap();
+        // SAFETY: flock is plain old data; all-zero is valid (whole file, l_pid 0).
+        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+        fl.l_type = libc::F_RDLCK as libc::c_short;
+        fl.l_whence = libc::SEEK_SET as libc::c_short;
+        // SAFETY: `f` is open; `fl` is a valid flock.
+        let rc = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) };
+        assert_eq!(rc, 0);
+        std::fs::remove_file(&c.0).unwrap();
+        remover = Some(f);
+    });
+    assert!(
+        matches!(opened, Err(Error::StoreNotFound { .. })),
+        "expected StoreNotFound, got {:?}",
+        opened.map(|s| s.stats().clients)
+    );
+    drop(remover);
+}
+
+#[test]
 fn a_store_of_another_layout_version_is_removed_once_unused() {
     // Stores made by an older shmstore cannot be opened after an upgrade; left by a
     // crashed instance, they are still found unused and removed.

@@ -904,12 +904,18 @@ impl Inner {
         self.sb.flags & FLAG_EVICT != 0
     }
 
-    /// Removes the store's file if it is still the one this mapping was made from.
+    /// Removes the store's file if no process is attached (this one has left) and the
+    /// name still leads to the file this mapping was made from. The name goes while a
+    /// read lock on the whole file is held through a description of our own (the
+    /// mapping's may be shared with a forked parent): see `liveness`, "Removing a store's
+    /// name".
     fn remove_file(&self) {
-        if let Some(path) = self.map.path() {
-            if self.map.same_file_as(path) {
-                let _ = std::fs::remove_file(path);
-            }
+        let Some(path) = self.map.path() else { return };
+        let Ok(lock) = LockFile::open_for_removal(self.map.file(), Some(path)) else {
+            return;
+        };
+        if lock.try_lock_all_shared() && self.map.same_file_as(path) {
+            let _ = std::fs::remove_file(path);
         }
     }
 

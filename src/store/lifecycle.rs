@@ -10,6 +10,11 @@
 use super::*;
 use crate::HugePages;
 
+/// How many times [`Store::open_path`] opens a name whose store was removed while it
+/// attached, before it gives up (a name removed and re-created that often is not a store
+/// anyone can use).
+const OPEN_TRIES: u32 = 3;
+
 impl Store {
     /// Creates a named store `dir/name` (default dir `/dev/shm`) and attaches to it.
     ///
@@ -105,12 +110,57 @@ impl Store {
     /// # Ok::<(), shmstore::Error>(())
     /// ```
     pub fn open_with(path: impl AsRef<Path>, opts: &AttachOptions) -> Result<Store> {
-        let (map, sb) = Mapping::open(path.as_ref(), opts.huge_pages, opts.prefault)?;
-        let store = Self::attach(map, sb, opts)?;
-        if opts.populate_in_background && !opts.prefault {
-            store.inner.populate_in_background(false);
+        Self::open_attaching(path.as_ref(), opts, &mut || {})
+    }
+
+    /// [`open_with`](Self::open_with), running `before_attach` on the first try once the
+    /// file is mapped and checked, before a client slot is claimed (a test hook).
+    ///
+    /// The store's name may be removed while we attach, by [`remove_if_unused`] or by the
+    /// last process of a `remove_when_unused` store leaving. Removal holds a lock that
+    /// every slot's lock conflicts with (`liveness`, "Removing a store's name"), so once
+    /// our slot is locked the name is either still the file's, and stays so while we are
+    /// attached, or already gone: then the attachment is dropped and the name opened
+    /// again, which finds a store created there since, or none (`StoreNotFound`).
+    /// Attaching to the removed file would leave this process alone with it, while every
+    /// process after it made a new store under the name.
+    ///
+    /// [`remove_if_unused`]: Self::remove_if_unused
+    pub(crate) fn open_attaching(
+        path: &Path,
+        opts: &AttachOptions,
+        before_attach: &mut dyn FnMut(),
+    ) -> Result<Store> {
+        use std::os::unix::fs::MetadataExt;
+        let identity = |m: std::fs::Metadata| (m.dev(), m.ino());
+        for tries in 1..=OPEN_TRIES {
+            let (map, sb) = Mapping::open(path, opts.huge_pages, opts.prefault)?;
+            if tries == 1 {
+                before_attach();
+            }
+            let file = map.file().metadata().ok().map(identity);
+            let attached = Self::attach(map, sb, opts);
+            let still_named = match &attached {
+                Ok(store) => store.inner.map.same_file_as(path),
+                // Every slot's lock failed: maybe while a removal held its lock.
+                Err(Error::TooManyClients { .. }) => {
+                    file.is_some() && file == std::fs::metadata(path).ok().map(identity)
+                }
+                Err(_) => true,
+            };
+            if still_named {
+                let store = attached?;
+                if opts.populate_in_background && !opts.prefault {
+                    store.inner.populate_in_background(false);
+                }
+                return Ok(store);
+            }
+            // A store whose name is gone: leave it (its drop removes nothing, the name
+            // no longer being its file's) and open the name again.
         }
-        Ok(store)
+        Err(Error::StoreNotFound {
+            path: path.to_path_buf(),
+        })
     }
 
     /// Removes the store at `path` if no live process is attached to it, whatever version
@@ -121,12 +171,13 @@ impl Store {
     ///
     /// Every attached process holds a lock on one byte of the file (its client slot's),
     /// which the kernel drops when the process dies, and a creator holds one from before
-    /// the name appears until it is attached; this asks the kernel whether any byte is
-    /// locked, so it attaches to nothing and reads only the first 12 bytes. A process
-    /// that opens the store in the instant between the check and the removal keeps its
-    /// mapping, but the name is gone. A file that is not a store gives
-    /// [`Error::NotAStore`] and is left alone, as are stores of layout version 1 (which
-    /// took no locks: `false`).
+    /// the name appears until it is attached; this takes a read lock on the whole file,
+    /// which fails if any byte is locked, and removes the name while holding it. So it
+    /// attaches to nothing and reads only the first 12 bytes, and a process opening the
+    /// store at that moment either keeps it from being removed or opens the name again
+    /// once it is gone (see [`open_path`](Self::open_path)). A file that is not a store
+    /// gives [`Error::NotAStore`] and is left alone, as are stores of layout version 1
+    /// (which took no locks: `false`), and a name that another file took meanwhile.
     ///
     /// ```
     /// use shmstore::{Store, StoreConfig};
@@ -156,7 +207,12 @@ impl Store {
             });
         }
         let version = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
-        if version < 2 || crate::liveness::any_lock_held(&file) {
+        if version < 2 {
+            return Ok(false);
+        }
+        // Held until the name is gone: see `liveness`, "Removing a store's name".
+        let lock = crate::liveness::LockFile::open_for_removal(&file, Some(path))?;
+        if !lock.try_lock_all_shared() || !crate::region::same_file(&file, path) {
             return Ok(false);
         }
         std::fs::remove_file(path).map_err(io("unlink"))?;
