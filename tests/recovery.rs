@@ -528,6 +528,21 @@ fn a_process_attaching_while_a_removal_holds_its_lock_opens_the_name_again() {
 }
 
 #[test]
+fn unlinking_a_store_whose_name_was_taken_since_leaves_the_new_store_alone() {
+    let (old, c) = new_store("unlink-successor", StoreConfig::with_capacity(1 << 20));
+    old.unlink().unwrap();
+    let name = c.0.file_name().unwrap().to_str().unwrap().to_string();
+    let new = Store::create(&name, &StoreConfig::with_capacity(1 << 20)).unwrap();
+    old.unlink().unwrap();
+    assert!(
+        c.0.exists(),
+        "the old store's unlink removed the new store's name"
+    );
+    new.unlink().unwrap();
+    assert!(!c.0.exists());
+}
+
+#[test]
 fn a_store_of_another_layout_version_is_removed_once_unused() {
     // Stores made by an older shmstore cannot be opened after an upgrade; left by a
     // crashed instance, they are still found unused and removed.

@@ -220,7 +220,9 @@ impl Store {
     }
 
     /// Removes the store's name; attached processes keep working, and the memory is
-    /// returned when the last one detaches. No-op for anonymous stores.
+    /// returned when the last one detaches. No-op for anonymous stores, and for a name
+    /// that another store has taken since this one's was removed (that store is left
+    /// alone).
     ///
     /// ```
     /// use shmstore::{Store, StoreConfig};
@@ -231,6 +233,7 @@ impl Store {
     /// ```
     pub fn unlink(&self) -> Result<()> {
         match self.inner.map.path() {
+            Some(p) if p.exists() && !self.inner.map.same_file_as(p) => Ok(()),
             Some(p) => std::fs::remove_file(p).map_err(|source| Error::Io {
                 op: "unlink",
                 path: p.to_path_buf(),
