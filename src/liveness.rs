@@ -22,9 +22,10 @@
 //! description of its own ([`LockFile::try_lock_all_shared`]) and unlinks the name while it
 //! holds it. The read lock conflicts with every slot's write lock, so a process attaching
 //! at that moment has either locked its slot first (the lock fails and nothing is
-//! removed), fails to lock any slot while the lock is held, or locks its slot after the
-//! name is gone; `Store::open_path` then finds the name no longer leads to the file it
-//! attached and opens the name again (`StoreNotFound` if nothing is there). Without the
+//! removed), fails to lock any slot while the lock is held ([`removal_in_progress`] tells
+//! it so; it waits for the lock to go), or locks its slot after the name is gone;
+//! `Store::open_path` then finds the name no longer leads to the file it attached and
+//! opens the name again (`StoreNotFound` if nothing is there). Without the
 //! lock, a look (`F_OFD_GETLK`) then an unlink left a moment in which a process attached
 //! to a store whose name was then removed: it worked on alone, and every later process
 //! made a new store under the name (two stores where the users meant one).
@@ -222,6 +223,22 @@ impl LockFile {
             Err(_) => true,
         }
     }
+}
+
+/// Whether a removal of the store holds its lock ([`LockFile::try_lock_all_shared`]) now,
+/// asked through `file`'s description (which must hold no lock). Only removals take read
+/// locks, and while one is held nobody can take a slot's write lock; so a read lock is
+/// what the kernel reports then. If the kernel cannot tell: no.
+pub(crate) fn removal_in_progress(file: &File) -> bool {
+    // SAFETY: flock is plain old data; all-zero is a valid value (l_pid must be 0 for OFD
+    // locks; l_start = l_len = 0 is the whole file).
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: `file` is an open descriptor for the duration of the call; `fl` is a valid
+    // flock the kernel reads and writes.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
+    rc == 0 && fl.l_type == libc::F_RDLCK as libc::c_short
 }
 
 /// Takes an OFD write lock on the whole file through `file`'s own description: `true`

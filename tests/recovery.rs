@@ -49,6 +49,44 @@ fn child_entry() {
         let _ = hear();
         return;
     }
+    if role == "join-and-leave" {
+        // A process of a pool (Ray's workers on a node store): attach to the pool's
+        // store, creating it if there is none, and leave, over and over. While attached,
+        // the store's name must lead to the store this process is attached to.
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::MetadataExt;
+        let path = Path::new(&args[0]);
+        let cfg = StoreConfig {
+            dir: path.parent().unwrap().to_path_buf(),
+            remove_when_unused: true,
+            populate_in_background: false,
+            huge_pages: shmstore::HugePages::Off,
+            ..StoreConfig::with_capacity(1 << 20)
+        };
+        let name = path.file_name().unwrap().to_str().unwrap();
+        let identity = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+        let mut stranded = 0;
+        for _ in 0..args[1].parse::<u32>().unwrap() {
+            let store = loop {
+                match Store::open_path(path) {
+                    Ok(s) => break s,
+                    Err(Error::StoreNotFound { .. }) => {}
+                    Err(e) => panic!("open: {e}"),
+                }
+                match Store::create(name, &cfg) {
+                    Ok(s) => break s,
+                    Err(Error::StoreExists { .. }) => {}
+                    Err(e) => panic!("create: {e}"),
+                }
+            };
+            let mine = format!("/proc/self/fd/{}", store.fd().as_raw_fd());
+            if identity(Path::new(&mine)) != identity(path) {
+                stranded += 1;
+            }
+        }
+        say(format!("stranded {stranded}"));
+        return;
+    }
     if role == "failed-attaches" {
         // In a process of its own (one test thread), so that nothing else opens files or
         // maps memory while it counts.
@@ -479,6 +517,27 @@ fn a_process_attaching_as_the_store_is_removed_is_never_left_alone_with_it() {
         b"here"
     );
     assert_eq!(opened.stats().clients, 2);
+}
+
+#[test]
+fn processes_joining_and_leaving_a_self_removing_store_always_share_one() {
+    // Real processes racing: each attaches to the pool's store (creating it when there is
+    // none) and leaves, so the store is removed and made again all the time, with the
+    // last process leaving while the next attaches.
+    let path = Path::new("/dev/shm").join(common::unique_name("join-and-leave"));
+    let _c = Cleanup(path.clone());
+    let args = [path.display().to_string(), "1500".to_string()];
+    let mut pool: Vec<Proc> = (0..3)
+        .map(|_| common::spawn(common::CHILD_ENTRY, "join-and-leave", &args))
+        .collect();
+    for p in &mut pool {
+        assert_eq!(
+            p.recv(),
+            "stranded 0",
+            "a process was attached to a store without a name"
+        );
+        p.child.wait().unwrap();
+    }
 }
 
 #[test]

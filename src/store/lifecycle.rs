@@ -10,6 +10,23 @@
 use super::*;
 use crate::HugePages;
 
+/// Whether a removal of the store held its lock on `file`; if so, returns once it has let
+/// go (it holds the lock only while it unlinks the name), or after [`REMOVAL_WAIT`] at
+/// most (a remover stopped mid-way, say): the caller then opens the name again.
+fn waited_out_removal(file: &std::fs::File) -> bool {
+    if !crate::liveness::removal_in_progress(file) {
+        return false;
+    }
+    let deadline = std::time::Instant::now() + REMOVAL_WAIT;
+    while crate::liveness::removal_in_progress(file) && std::time::Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    true
+}
+
+/// How long [`Store::open_path`] waits at most for a removal's lock to go.
+const REMOVAL_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// How many times [`Store::open_path`] opens a name whose store was removed while it
 /// attached, before it gives up (a name removed and re-created that often is not a store
 /// anyone can use).
@@ -121,7 +138,9 @@ impl Store {
     /// every slot's lock conflicts with (`liveness`, "Removing a store's name"), so once
     /// our slot is locked the name is either still the file's, and stays so while we are
     /// attached, or already gone: then the attachment is dropped and the name opened
-    /// again, which finds a store created there since, or none (`StoreNotFound`).
+    /// again, which finds a store created there since, or none (`StoreNotFound`). If no
+    /// slot could be locked because a removal held its lock, the name is opened again
+    /// once it lets go.
     /// Attaching to the removed file would leave this process alone with it, while every
     /// process after it made a new store under the name.
     ///
@@ -131,22 +150,19 @@ impl Store {
         opts: &AttachOptions,
         before_attach: &mut dyn FnMut(),
     ) -> Result<Store> {
-        use std::os::unix::fs::MetadataExt;
-        let identity = |m: std::fs::Metadata| (m.dev(), m.ino());
         for tries in 1..=OPEN_TRIES {
             let (map, sb) = Mapping::open(path, opts.huge_pages, opts.prefault)?;
             if tries == 1 {
                 before_attach();
             }
-            let file = map.file().metadata().ok().map(identity);
+            // The same description as the mapping's, which holds no lock.
+            let probe = map.file().try_clone().ok();
             let attached = Self::attach(map, sb, opts);
-            let still_named = match &attached {
-                Ok(store) => store.inner.map.same_file_as(path),
+            let still_named = match (&attached, probe) {
+                (Ok(store), _) => store.inner.map.same_file_as(path),
                 // Every slot's lock failed: maybe while a removal held its lock.
-                Err(Error::TooManyClients { .. }) => {
-                    file.is_some() && file == std::fs::metadata(path).ok().map(identity)
-                }
-                Err(_) => true,
+                (Err(Error::TooManyClients { .. }), Some(file)) => !waited_out_removal(&file),
+                _ => true,
             };
             if still_named {
                 let store = attached?;
