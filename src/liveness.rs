@@ -163,33 +163,8 @@ impl LockFile {
     }
 
     fn flock(&self, cmd: libc::c_int, ty: libc::c_short, offset: u64) -> io::Result<libc::flock> {
-        self.flock_range(cmd, ty, offset, 1)
-    }
-
-    /// An OFD lock request on `len` bytes from `offset` (`len` 0: to the end of the file,
-    /// however far it grows).
-    fn flock_range(
-        &self,
-        cmd: libc::c_int,
-        ty: libc::c_short,
-        offset: u64,
-        len: u64,
-    ) -> io::Result<libc::flock> {
-        // SAFETY: flock is plain old data; all-zero is a valid value (l_pid must be 0 for
-        // OFD locks).
-        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-        fl.l_type = ty;
-        fl.l_whence = libc::SEEK_SET as libc::c_short;
-        fl.l_start = offset as libc::off_t;
-        fl.l_len = len as libc::off_t;
-        // SAFETY: `fd` is our open descriptor (the entry in LOCK_FDS is ours until Drop);
-        // `fl` is a valid flock the kernel reads and, for GETLK, writes.
-        let rc = unsafe { libc::fcntl(self.fd, cmd, &mut fl) };
-        if rc == -1 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(fl)
-        }
+        // `fd` is our open descriptor: the entry in LOCK_FDS is ours until Drop.
+        ofd_lock(self.fd, cmd, ty, offset, 1)
     }
 
     /// Takes the lock on byte `offset` for this attachment; `false` if another OFD holds it.
@@ -205,8 +180,14 @@ impl LockFile {
     /// after the name is gone, which it then checks (`Store::open_path`). Removers do not
     /// exclude each other: each checks the name still leads to its file before unlinking.
     pub(crate) fn try_lock_all_shared(&self) -> bool {
-        self.flock_range(libc::F_OFD_SETLK, libc::F_RDLCK as libc::c_short, 0, 0)
-            .is_ok()
+        ofd_lock(
+            self.fd,
+            libc::F_OFD_SETLK,
+            libc::F_RDLCK as libc::c_short,
+            0,
+            0,
+        )
+        .is_ok()
     }
 
     /// Drops this attachment's lock on byte `offset`.
@@ -225,34 +206,59 @@ impl LockFile {
     }
 }
 
+/// An OFD lock request `cmd` (`F_OFD_SETLK` or `F_OFD_GETLK`) of type `ty` on `len` bytes
+/// from `offset` (`len` 0: to the end of the file, however far it grows) through the open
+/// descriptor `fd`: the `flock` the kernel filled in, or why it refused.
+fn ofd_lock(
+    fd: i32,
+    cmd: libc::c_int,
+    ty: libc::c_short,
+    offset: u64,
+    len: u64,
+) -> io::Result<libc::flock> {
+    // SAFETY: flock is plain old data; all-zero is a valid value (l_pid must be 0 for OFD
+    // locks).
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = ty;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = offset as libc::off_t;
+    fl.l_len = len as libc::off_t;
+    // SAFETY: every caller passes a descriptor it keeps open for the duration of the call;
+    // `fl` is a valid flock the kernel reads and, for GETLK, writes.
+    if unsafe { libc::fcntl(fd, cmd, &mut fl) } == -1 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(fl)
+    }
+}
+
 /// Whether a removal of the store holds its lock ([`LockFile::try_lock_all_shared`]) now,
 /// asked through `file`'s description (which must hold no lock). Only removals take read
 /// locks, and while one is held nobody can take a slot's write lock; so a read lock is
 /// what the kernel reports then. If the kernel cannot tell: no.
 pub(crate) fn removal_in_progress(file: &File) -> bool {
-    // SAFETY: flock is plain old data; all-zero is a valid value (l_pid must be 0 for OFD
-    // locks; l_start = l_len = 0 is the whole file).
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = libc::F_WRLCK as libc::c_short;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
-    // SAFETY: `file` is an open descriptor for the duration of the call; `fl` is a valid
-    // flock the kernel reads and writes.
-    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
-    rc == 0 && fl.l_type == libc::F_RDLCK as libc::c_short
+    let asked = ofd_lock(
+        file.as_raw_fd(),
+        libc::F_OFD_GETLK,
+        libc::F_WRLCK as libc::c_short,
+        0,
+        0,
+    );
+    asked.is_ok_and(|fl| fl.l_type == libc::F_RDLCK as libc::c_short)
 }
 
 /// Takes an OFD write lock on the whole file through `file`'s own description: `true`
 /// when no other description held a lock on any byte of it (and none can take one now).
 /// The lock goes when `file` is closed.
 pub(crate) fn try_lock_whole_file(file: &File) -> bool {
-    // SAFETY: flock is plain old data; all-zero is a valid value (l_pid must be 0 for OFD
-    // locks; l_start = l_len = 0 is the whole file).
-    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-    fl.l_type = libc::F_WRLCK as libc::c_short;
-    fl.l_whence = libc::SEEK_SET as libc::c_short;
-    // SAFETY: `file` is an open descriptor for the duration of the call; `fl` is a valid
-    // flock the kernel reads.
-    unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut fl) == 0 }
+    ofd_lock(
+        file.as_raw_fd(),
+        libc::F_OFD_SETLK,
+        libc::F_WRLCK as libc::c_short,
+        0,
+        0,
+    )
+    .is_ok()
 }
 
 impl Drop for LockFile {
