@@ -150,7 +150,9 @@ impl Store {
         opts: &AttachOptions,
         before_attach: &mut dyn FnMut(),
     ) -> Result<Store> {
-        for tries in 1..=OPEN_TRIES {
+        let mut tries = 0;
+        loop {
+            tries += 1;
             let (map, sb) = Mapping::open(path, opts.huge_pages, opts.prefault)?;
             if tries == 1 {
                 before_attach();
@@ -164,8 +166,14 @@ impl Store {
                 (Err(Error::TooManyClients { .. }), Some(file)) => !waited_out_removal(&file),
                 _ => true,
             };
-            if still_named {
+            if still_named || tries == OPEN_TRIES {
                 let store = attached?;
+                if !still_named {
+                    // Removed under us each time: the name holds no store for us.
+                    return Err(Error::StoreNotFound {
+                        path: path.to_path_buf(),
+                    });
+                }
                 if opts.populate_in_background && !opts.prefault {
                     store.inner.populate_in_background(false);
                 }
@@ -174,9 +182,6 @@ impl Store {
             // A store whose name is gone: leave it (its drop removes nothing, the name
             // no longer being its file's) and open the name again.
         }
-        Err(Error::StoreNotFound {
-            path: path.to_path_buf(),
-        })
     }
 
     /// Removes the store at `path` if no live process is attached to it, whatever version
