@@ -48,6 +48,7 @@ impl PyStore {
                         remove_when_unused=false, prefault=false, huge_pages="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn create(
+        py: Python<'_>,
         name: &str,
         capacity: u64,
         max_objects: u64,
@@ -83,8 +84,9 @@ impl PyStore {
             dir,
             ..StoreConfig::with_capacity(capacity)
         };
+        // Reserving a large store takes seconds (0.25 s per GiB): other threads run.
         Ok(PyStore {
-            s: Store::create(&file, &cfg).map_err(err)?,
+            s: py.detach(|| Store::create(&file, &cfg)).map_err(err)?,
         })
     }
 
@@ -92,6 +94,7 @@ impl PyStore {
     #[staticmethod]
     #[pyo3(signature = (name, *, read_only=false, prefault=false, populate_in_background=false))]
     fn open(
+        py: Python<'_>,
         name: &str,
         read_only: bool,
         prefault: bool,
@@ -104,8 +107,12 @@ impl PyStore {
             populate_in_background,
             ..Default::default()
         };
+        // Prefaulting a large store, or waiting out a removal, takes a while: other
+        // threads run.
         Ok(PyStore {
-            s: Store::open_with(dir.join(file), &opts).map_err(err)?,
+            s: py
+                .detach(|| Store::open_with(dir.join(file), &opts))
+                .map_err(err)?,
         })
     }
 
