@@ -87,6 +87,26 @@ fn child_entry() {
         say(format!("stranded {stranded}"));
         return;
     }
+    if role == "create-and-drop" {
+        // Creators sharing a directory: each create first sweeps the directory for the
+        // temporary files of killed creators, while the others' are being made.
+        let dir = Path::new(&args[0]);
+        let cfg = StoreConfig {
+            dir: dir.to_path_buf(),
+            remove_when_unused: true,
+            populate_in_background: false,
+            huge_pages: shmstore::HugePages::Off,
+            ..StoreConfig::with_capacity(1 << 20)
+        };
+        let mut failed = Vec::new();
+        for i in 0..args[1].parse::<u32>().unwrap() {
+            if let Err(e) = Store::create(&format!("s-{}-{i}", std::process::id()), &cfg) {
+                failed.push(e.to_string());
+            }
+        }
+        say(format!("failed {}: {:?}", failed.len(), failed.first()));
+        return;
+    }
     if role == "failed-attaches" {
         // In a process of its own (one test thread), so that nothing else opens files or
         // maps memory while it counts.
@@ -538,6 +558,29 @@ fn processes_joining_and_leaving_a_self_removing_store_always_share_one() {
         );
         p.child.wait().unwrap();
     }
+}
+
+#[test]
+fn creators_sharing_a_directory_never_sweep_each_others_stores_away() {
+    // Every create sweeps its directory for files killed creators left; the others'
+    // creations in progress must survive it, whenever the sweep looks.
+    let dir = Path::new("/dev/shm").join(common::unique_name("creators"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let args = [dir.display().to_string(), "1000".to_string()];
+    let mut creators: Vec<Proc> = (0..3)
+        .map(|_| common::spawn(common::CHILD_ENTRY, "create-and-drop", &args))
+        .collect();
+    for p in &mut creators {
+        assert_eq!(p.recv(), "failed 0: None");
+        p.child.wait().unwrap();
+    }
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    std::fs::remove_dir(&dir).unwrap();
 }
 
 #[test]
