@@ -162,8 +162,11 @@ impl Store {
             let attached = Self::attach(map, sb, opts);
             let still_named = match (&attached, probe) {
                 (Ok(store), _) => store.inner.map.same_file_as(path),
-                // Every slot's lock failed: maybe while a removal held its lock.
-                (Err(Error::TooManyClients { .. }), Some(file)) => !waited_out_removal(&file),
+                // Every slot's lock failed: maybe while a removal held its lock, which
+                // may be gone by now, with the name.
+                (Err(Error::TooManyClients { .. }), Some(file)) => {
+                    !waited_out_removal(&file) && crate::region::same_file(&file, path)
+                }
                 _ => true,
             };
             if still_named || tries == OPEN_TRIES {
