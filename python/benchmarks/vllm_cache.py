@@ -15,8 +15,9 @@ them): the rest is the harness's transport, the same for every cache.
 * ``vllm-lru``: vLLM's mirrored LruKeyReplicatedSenderCache; the receiver (in vLLM, one
   in the engine core) keeps full items on the other side, so a first send carries the
   tensors through the RPC and a hit carries nothing;
-* ``shmstore``: shmstore.vllm (one copy into shared memory; a marker on the wire; zero
-  copy in the workers).
+* ``shmstore``: shmstore.vllm (one copy into shared memory; a marker on the wire; the
+  engine core's gate pins each item until the request is done; zero copy in the
+  workers).
 
 Items: a Qwen2-VL-style image (``pixel_values`` float32 [2560, 1176], 12 MiB, and
 ``image_grid_thw``), a video (bfloat16 [8192, 1176], 18.4 MiB) and a burst of 64 small
@@ -42,7 +43,13 @@ import uuid
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests_vllm"))
-from harness import make_config, send_request, setup_process, worker_main  # noqa: E402
+from harness import (  # noqa: E402
+    make_config,
+    make_engine_cache,
+    send_request,
+    setup_process,
+    worker_main,
+)
 
 
 def cpu_s() -> float:
@@ -78,9 +85,17 @@ def make_items(kind: str, tag: str):
     return {f"{tag}-s{i}": item for i, item in enumerate(items)}
 
 
+class _Marker:
+    """Stands for a decoded marker in the engine-core stand-in (which forwards requests
+    without decoding them, for every cache alike): the gate's pin lives as long as it."""
+
+
 def engine_main(kind, config, conn, n_workers, env, method):
-    """The engine-core stand-in: receives each request once, forwards it to every worker."""
+    """The engine-core stand-in: receives each request once, admits it through the
+    engine-core cache vLLM runs for the kind (shmstore's gate: each item pinned until the
+    request is done), forwards it to every worker."""
     setup_process(env)
+    gate = make_engine_cache(kind, config)
     ctx = mp.get_context(method)
     lock = ctx.Lock()
     workers = []
@@ -105,11 +120,16 @@ def engine_main(kind, config, conn, n_workers, env, method):
             continue
         # Forwarded as received: the request's one message, then its large frames.
         large = [conn.recv_bytes() for n in msg[1] if n < 0]
+        held = []
+        if gate is not None:  # every item of the benchmark is a marker for shmstore
+            held = [_Marker() for _ in msg[0][1]]
+            gate.hold((m, h) for m, (h, _, _) in zip(held, msg[0][1]))
         for _, w in workers:
             w.send_bytes(raw)
             for frame in large:
                 w.send_bytes(frame)
         replies = [w.recv() for _, w in workers]
+        del held  # the request is done: the gate's pins go
         conn.send(replies)
     for p, w in workers:
         w.send(None)

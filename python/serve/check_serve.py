@@ -91,7 +91,7 @@ class Server:
 
     def __init__(self, model: str, shm_dir: str, use_shmstore: bool, extra: list[str],
                  start_method: str = "fork", store_name: str | None = None,
-                 cgroup: str | None = None):
+                 cgroup: str | None = None, extra_env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
@@ -107,6 +107,7 @@ class Server:
         env.pop("SHMSTORE_VLLM_LAUNCHER", None)
         if store_name:
             env["SHMSTORE_VLLM_STORE"] = store_name  # named by the operator
+        env.update(extra_env or {})
         if use_shmstore:
             env["SHMSTORE_VLLM"] = "1"
         else:
@@ -253,8 +254,11 @@ def run(config: str, model: str, shm_dir: str) -> dict:
     }.get(config, [])
     # Workers forked (vLLM's default), and spawned in the instance that is killed; the
     # data-parallel instance's store is named by the operator (SHMSTORE_VLLM_STORE).
+    # The single instance's workers keep no items for hits (SHMSTORE_VLLM_WORKER_KEEP=0):
+    # every read goes to the store, as a worker's first read of an item does.
     server = Server(model, shm_dir, use, extra, "spawn" if killed else "fork",
-                    OPERATOR_NAMED if config == "shmstore-dp-2" else None)
+                    OPERATOR_NAMED if config == "shmstore-dp-2" else None,
+                    extra_env={"SHMSTORE_VLLM_WORKER_KEEP": "0"} if config == "shmstore" else None)
     result: dict = {"config": config}
     before = set(os.listdir("/dev/shm"))
     try:
@@ -280,6 +284,22 @@ def run(config: str, model: str, shm_dir: str) -> dict:
             st = shmstore.Store.open(os.path.join(shm_dir, found[0]), read_only=True).stats()
             result["objects"] = st["objects"]
             result["clients"] = st["clients"] - 1  # this process is one
+        if config == "shmstore" and len(found) == 1:
+            # Every item deleted behind vLLM's back (by hand, or another front-end's
+            # reset): the front-end still holds pins from its recent sends, and its next
+            # request must neither fail nor reach a worker that cannot find the item (a
+            # miss in a worker stops vLLM; it did, before the engine core's gate).
+            store = shmstore.Store.open(os.path.join(shm_dir, found[0]))
+            sealed = [oid for oid, _, state, _ in store.list() if state == "sealed"]
+            for oid in sealed:
+                store.delete(oid)
+            result["deleted"] = len(sealed)
+            del store
+            try:
+                result["after_delete"], _ = server.chat(REQUESTS[0])
+            except urllib.error.URLError as e:
+                state = "running" if server.proc.poll() is None else "exited"
+                result["after_delete"] = f"{e} (vllm serve {state})"
     finally:
         result["exit"] = server.kill() if killed else server.stop()
         result["stores_after"] = stores(shm_dir)
@@ -445,12 +465,17 @@ def main() -> int:
                 check(r["objects_metric"] == distinct,
                       f"vLLM's /metrics shows the store's objects (shmstore_objects "
                       f"{r['objects_metric']})")
+            if "after_delete" in r:
+                check(r["deleted"] == distinct and r["after_delete"] == answers[0],
+                      f"with all {r['deleted']} items deleted by hand, the next request gets "
+                      f"the same answer, no error ({str(r['after_delete'])[:200]})")
             if config.startswith("shmstore"):
-                # Each API server writes, each worker reads: the engine core does not attach.
-                processes = 4 if config == "shmstore-dp-2" else 3 if config == "shmstore-2-api" else 2
+                # Each API server writes, each engine core admits (its gate pins each
+                # request's items), each worker reads.
+                processes = {"shmstore-dp-2": 6, "shmstore-2-api": 4}.get(config, 3)
                 check(r.get("clients") == processes,
-                      f"the front-ends and workers attached themselves ({processes} processes: "
-                      f"found {r.get('clients')})")
+                      f"the front-ends, engine cores and workers attached themselves "
+                      f"({processes} processes: found {r.get('clients')})")
                 check(bool(r["stores_running"]) and r.get("objects") == distinct,
                       f"the instance's one store holds each of the {distinct} images once "
                       f"(found {r['stores_running']}, {r.get('objects')} objects)")

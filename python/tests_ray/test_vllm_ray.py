@@ -3,6 +3,7 @@ their node's store, fetched once per node; a lost item is vLLM's miss path."""
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 
@@ -87,27 +88,47 @@ def test_workers_on_other_nodes_read_items_fetched_once_per_node(cluster, vllm_e
     assert stats[cluster["node0"]]["served"] == 2 * len(hashes)
 
 
-def test_an_item_the_front_end_lost_is_a_miss_and_the_retry_path_recovers(cluster, vllm_env):
-    from vllm.v1.serial_utils import MsgpackEncoder
+def test_an_item_the_front_end_lost_is_a_miss_in_the_engine_core_and_the_retry_path_recovers(
+    cluster, vllm_env
+):
+    # vLLM recovers from a miss only in the engine core (a miss in a worker stops vLLM):
+    # the engine core, on the front-end's node, admits each request through the gate,
+    # which pins the request's items at the source until the request is done, so that
+    # no bridge finds them gone.
+    from vllm.multimodal.cache.base import MultiModalCacheMissError
+    from vllm.multimodal.inputs import MultiModalKwargsItem
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from shmstore.vllm import ShmstoreSenderCache
+    import shmstore.vllm as sv
 
     config = ray_config()
-    sender = ShmstoreSenderCache(config)
-    encoder = MsgpackEncoder()
+    sender = sv.ShmstoreSenderCache(config)
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(MultiModalKwargsItem)
+    engine = sv.engine_cache(config)  # this process is the engine core, on the head node
+    assert isinstance(engine, sv.ShmstorePrefetcher) and engine.gate is not None
     (w,) = workers(config, vllm_env, ["node2"])
     hashes = ["a", "b", "c"]
     entries = send(sender, encoder, hashes, set(hashes))
-    for h in ("a", "c"):  # evicted from the front-end's store before the worker asks
+    for h in ("a", "c"):  # gone from the front-end's store before the engine core sees them
         sender.store.delete(h)
-    assert ray.get(w.request.remote(entries)) == ("miss", ["a", "c"])
+    with pytest.raises(MultiModalCacheMissError) as miss:
+        engine.get_and_update_features(engine_features(decoder, entries))
+    assert miss.value.mm_hashes == ["a", "c"]
+    del miss
+    gc.collect()  # the traceback held the failed request, and the pin its "b" took
+    assert engine.gate.pins.objects() == 0
     # vLLM's retry path: the front-end invalidates the hashes and sends the request again.
     for h in ("a", "c"):
         sender.invalidate(h)
-    assert not sender.inline_only  # a miss through a bridge is not "cannot see the store"
+    assert not sender.inline_only  # the store did not hold them: a plain miss
     assert sender.is_cached(hashes) == [False, True, False]
     entries = send(sender, encoder, hashes, {"a", "c"})
+    features = engine_features(decoder, entries)
+    engine.get_and_update_features(features)  # admitted: pinned at the source
+    assert engine.gate.pins.objects() == 3
     assert ray.get(w.request.remote(entries)) == ("ok", [digest(make_item(h)) for h in hashes])
+    del features  # the request is done
+    assert engine.gate.pins.objects() == 0
 
 
 def engine_features(decoder, entries: list[tuple[str, list[bytes]]]) -> list:

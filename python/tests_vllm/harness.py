@@ -12,8 +12,15 @@ or only the ``keep_on_cpu`` fields for M-RoPE models), encodes each item with
 decodes with ``MsgpackDecoder(MultiModalKwargsItem)``, runs ``get_and_update_features``
 and answers with a digest of what the model runner will use of every item (keys, field
 kinds and parameters, dtypes, shapes and bytes), or with the hashes a
-``MultiModalCacheMissError`` named: then the driver
-invalidates them and retries the request, as vLLM's retry path does.
+``MultiModalCacheMissError`` named.
+
+Where vLLM runs an engine-core cache (shmstore's gate), the driver runs it too, on the
+request decoded as the engine core decodes it, before the workers see the request, and
+keeps the request's features until every worker has answered (the engine core holds a
+request while it runs). A miss there is vLLM's retry path: the driver invalidates the
+hashes and sends the request again. A miss in a shmstore worker fails the request: in
+vLLM it stops the engine (vLLM's ``lru`` receiver, which the harness runs in the
+workers, runs in the engine core in vLLM, so its misses are retried).
 """
 
 from __future__ import annotations
@@ -303,6 +310,16 @@ def make_receiver(kind: str, config, lock):
     raise ValueError(kind)
 
 
+def make_engine_cache(kind: str, config):
+    """The engine core's cache vLLM runs for this kind, or None (vLLM's ``shm``; the
+    harness runs vLLM's ``lru`` receiver in the workers)."""
+    if kind == "shmstore":
+        from shmstore.vllm import ShmstoreEngineGate
+
+        return ShmstoreEngineGate(config)
+    return None
+
+
 def is_inline(kind: str, item) -> bool:
     """Whether the front-end sent the item's data itself rather than a reference."""
     if item is None:
@@ -489,6 +506,10 @@ class Cluster:
         from vllm.v1.serial_utils import MsgpackEncoder
 
         self.encoder = MsgpackEncoder()
+        #: The engine core's cache, where vLLM runs one for this kind (shmstore's gate).
+        self.gate = make_engine_cache(kind, config)
+        #: The features the engine core holds for each request in flight.
+        self._admitted: dict[float, list] = {}
         self.workers: list[tuple[Any, Any]] = []
         for _ in range(n_workers):
             self.workers.append(self._start_worker())
@@ -517,8 +538,11 @@ class Cluster:
     def _encode(self, item) -> list:
         return list(self.encoder.encode(item))
 
-    def send(self, hashes: list[str], strip: set[int] = frozenset(), mode: str = "digest", to=None):
-        """One pass of a request through the sender: returns what each item became."""
+    def send(self, hashes: list[str], strip: set[int] = frozenset(), mode: str = "digest", to=None,
+             before_engine=None):
+        """One pass of a request through the sender, the engine core's cache (raising
+        vLLM's miss error there) and on to the workers; ``before_engine`` runs between
+        the front-end and the engine core (while the request is on its way)."""
         sender = self.sender
         cached = sender.is_cached(hashes)
         new = {}
@@ -548,11 +572,37 @@ class Cluster:
             bufs.append(None if item is None else self._encode(item))
             covered.append(cover)
         req = random.random()
+        if before_engine is not None:
+            before_engine()
+        if self.gate is not None:
+            # Raises vLLM's miss error, before any worker sees the request.
+            self._admitted[req] = self.admit(hashes, bufs)
         targets = range(len(self.workers)) if to is None else to
         header = (req, [(h, 0 if b is None else len(b), c) for h, b, c in zip(hashes, bufs, covered)], mode)
         for w in targets:
             send_request(self.workers[w][1], header, bufs)
         return req, list(targets)
+
+    def admit(self, hashes: list[str], bufs: list) -> list:
+        """The engine core's part: the request's features, decoded as vLLM's engine core
+        decodes them, through its cache (``get_and_update_features``)."""
+        from vllm.multimodal.inputs import (
+            MultiModalFeatureSpec,
+            MultiModalKwargsItem,
+            PlaceholderRange,
+        )
+        from vllm.v1.serial_utils import MsgpackDecoder
+
+        if not hasattr(self, "_decoder"):
+            self._decoder = MsgpackDecoder(MultiModalKwargsItem)
+        features = [
+            MultiModalFeatureSpec(
+                data=None if b is None else self._decoder.decode(b), modality="image",
+                identifier=h, mm_position=PlaceholderRange(offset=0, length=1), mm_hash=h,
+            )
+            for h, b in zip(hashes, bufs)
+        ]
+        return self.gate.get_and_update_features(features)
 
     def collect(self, req, targets):
         out = {}
@@ -560,17 +610,27 @@ class Cluster:
             tag, got, payload = self.workers[w][1].recv()
             assert got == req, (tag, got, req)
             out[w] = (tag, payload)
+        self._admitted.pop(req, None)  # the request is done: the engine core lets go
         return out
 
     def request(self, hashes: list[str], strip: set[int] = frozenset(), mode: str = "digest"):
         """A request, retried after misses the way vLLM's retry path does. Returns each
         worker's digests (None where the item was stripped)."""
+        from vllm.multimodal.cache.base import MultiModalCacheMissError
+
         for _ in range(6):
-            req, targets = self.send(hashes, strip, mode)
-            res = self.collect(req, targets)
-            misses = {h for tag, p in res.values() if tag == "miss" for h in p}
-            if not misses:
-                return {w: p for w, (tag, p) in res.items()}
+            try:
+                req, targets = self.send(hashes, strip, mode)
+            except MultiModalCacheMissError as e:  # the engine core's gate
+                misses = set(e.mm_hashes)
+            else:
+                res = self.collect(req, targets)
+                misses = {h for tag, p in res.values() if tag == "miss" for h in p}
+                if misses and self.kind == "shmstore":
+                    raise AssertionError(
+                        f"a worker missed {sorted(misses)} of {hashes}: vLLM would stop")
+                if not misses:
+                    return {w: p for w, (tag, p) in res.items()}
             self.retries += 1
             for h in misses:
                 self.sender.invalidate(h)

@@ -404,3 +404,135 @@ def test_the_front_ends_windows_of_recent_sends_pin_a_quarter_of_the_store_toget
         assert max(pinned) > budget - 2 * size, "the window fills its share"
     finally:
         sender.close()
+
+
+def test_an_item_another_front_end_is_still_writing_goes_inline_this_once(store_env):
+    # Two front-ends got the same new image at once; the other one is still writing it
+    # (or stopped while writing). A marker would name an object no one can read yet, and
+    # the engine core's gate would turn it into a failed request: the item goes inline.
+    sender = sv.ShmstoreSenderCache(make_config())
+    try:
+        item = make_item("racing")
+        writing = sender.store.create_object("racing", 1 << 10)
+        out, updates = sender.get_and_update_item((item, make_updates("racing")), "racing")
+        assert out is item and same_updates(updates, make_updates("racing"))
+        # When the other writer gives up (or dies, and recovery takes its object), the
+        # next send stores the item, and it is a hit from then on.
+        writing.abort()
+        out, _ = sender.get_and_update_item((item, make_updates("racing")), "racing")
+        assert sv.is_marker(out)
+        assert sender.is_cached(["racing"]) == [True]
+        sender.release_sender_touches()
+    finally:
+        sender.close()
+
+
+def test_a_miss_on_an_item_stored_again_since_is_not_taken_for_a_store_the_workers_cannot_see(
+    store_env,
+):
+    # The front-end sent "x" and let go of it (its window moved on); the store evicted
+    # it; another front-end stored it again; then the miss comes back. The store holds
+    # "x", but not the object this front-end sent: an ordinary miss. (Taking it for
+    # "the engine core cannot see the store" switched the cache off for good.)
+    config = make_config(cache_mb=16)
+    sender, other = sv.ShmstoreSenderCache(config), sv.ShmstoreSenderCache(config)
+    try:
+        sender.get_and_update_item((make_item("x"), make_updates("x")), "x")
+        for i in range(12):  # images of 1.2 MiB: the window (4 MiB) moves past "x"
+            h = f"after-{i}"
+            sender.get_and_update_item((make_item(h, kind="image"), []), h)
+        sender.store.delete("x")  # evicted: no one pinned it any more
+        assert sender.store.stats()["draining"] == 0
+        out, _ = other.get_and_update_item((make_item("x"), make_updates("x")), "x")
+        assert sv.is_marker(out) and sender.store.contains("x")
+        sender.invalidate("x")
+        assert not sender.inline_only
+        # The object the front-end sent, still pinned by it and still the store's: the
+        # process that missed it cannot see this store.
+        sender.get_and_update_item((make_item("y"), make_updates("y")), "y")
+        sender.invalidate("y")
+        assert sender.inline_only
+    finally:
+        sender.close()
+        other.close()
+
+
+def test_the_gate_holds_one_pin_per_object_for_as_long_as_a_request_names_it(store):
+    from vllm.multimodal.cache.base import MultiModalCacheMissError
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    for h in ("a", "b"):
+        shmstore.put_item(store, h, *sv.encode_item(make_item(h)))
+    gate = sv.ShmstoreEngineGate(store=store)
+
+    def request(*keys):
+        return [
+            MultiModalFeatureSpec(data=sv.marker_item(), modality="image", identifier=k,
+                                  mm_position=PlaceholderRange(offset=0, length=1), mm_hash=k)
+            for k in keys
+        ]
+
+    r1, r2 = request("a", "b"), request("a")
+    assert gate.get_and_update_features(r1) is r1 and gate.get_and_update_features(r2) is r2
+    assert gate.pins.objects() == 2 and store.stats()["pins"] == 2  # one per object
+    del r1
+    assert gate.pins.objects() == 1 and store.stats()["pins"] == 1  # "a": r2 names it
+    del r2
+    assert gate.pins.objects() == 0 and store.stats()["pins"] == 0
+    # A miss names every missing key; what the request's other markers pinned goes
+    # with the request.
+    with pytest.raises(MultiModalCacheMissError) as miss:
+        gate.get_and_update_features(request("gone", "a", "also-gone"))
+    assert miss.value.mm_hashes == ["gone", "also-gone"]
+    del miss
+    gc.collect()  # the traceback held the request's frame
+    assert gate.pins.objects() == 0 and store.stats()["pins"] == 0
+    # Items sent inline and items the prefix cache covered are not looked up.
+    inline = request("not-in-store")
+    inline[0].data = make_item("not-in-store")
+    covered = request("nor-this")
+    covered[0].data = None
+    gate.get_and_update_features(inline + covered)
+    assert gate.pins.objects() == 0
+
+
+def test_a_pin_released_while_the_gate_takes_another_is_released_on_its_next_call(store):
+    # vLLM frees requests on its busy loop while its input thread admits new ones, and a
+    # garbage collection can free one inside ``pin`` on the same thread: the release
+    # never waits for the lock, and is done by the next call.
+    from shmstore.vllm.gate import RequestPins
+
+    store.put("k", b"x")
+    pins = RequestPins(store)
+    ident = pins.pin("k")
+    with pins._lock:  # as if the release came while a pin is being taken
+        pins.unpin(ident)
+        assert len(pins._held) == 1
+    assert pins.objects() == 0 and store.stats()["pins"] == 0
+
+
+def test_clearing_the_cache_leaves_the_items_of_requests_in_flight(store_env):
+    # vLLM's reset_mm_cache while requests run (vLLM warns about it): the items the
+    # engine core admitted stay, or their workers would miss them and stop vLLM.
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    config = make_config()
+    sender, gate = sv.ShmstoreSenderCache(config), sv.ShmstoreEngineGate(config)
+    try:
+        for h in ("running", "done"):
+            sender.get_and_update_item((make_item(h), make_updates(h)), h)
+        request = [MultiModalFeatureSpec(data=sv.marker_item(), modality="image", identifier="running",
+                                         mm_position=PlaceholderRange(offset=0, length=1), mm_hash="running")]
+        gate.get_and_update_features(request)
+        sender.clear_cache()
+        store = sender.store
+        assert store.contains("running") and not store.contains("done")
+        # "running" is still a hit (its prompt updates are stored with it); "done" is
+        # processed again.
+        assert sender.is_cached(["running", "done"]) == [True, False]
+        sender.release_sender_touches()
+        del request  # the request is done
+        sender.clear_cache()
+        assert not store.contains("running")
+    finally:
+        sender.close()

@@ -50,7 +50,8 @@ def test_vllms_factories_return_shmstores_caches_also_where_vllm_switches_ipc_of
             c = make_config(data_parallel=dp, api_servers=api)
             s = cache.processor_cache_from_config(c)
             assert type(s).__name__ == "ShmstoreSenderCache", (dp, api, s)
-            assert factories.engine_receiver_cache_from_config(c) is None
+            e = factories.engine_receiver_cache_from_config(c)   # the engine core's gate
+            assert type(e).__name__ == "ShmstoreEngineGate", e
             w = factories.worker_receiver_cache_from_config(c, None)
             assert type(w).__name__ == "ShmstoreReceiverCache"
             s.close()
@@ -58,12 +59,13 @@ def test_vllms_factories_return_shmstores_caches_also_where_vllm_switches_ipc_of
         c = make_config(); c.model_config.get_multimodal_config().mm_processor_cache_type = "lru"
         s = factories.processor_cache_from_config(c)
         assert type(s).__name__ == "ShmstoreSenderCache", s
-        assert factories.engine_receiver_cache_from_config(c) is None
+        assert type(factories.engine_receiver_cache_from_config(c)).__name__ == "ShmstoreEngineGate"
         assert type(factories.worker_receiver_cache_from_config(c, None)).__name__ == "ShmstoreReceiverCache"
         s.close()
         # A cache size of 0 keeps vLLM's multimodal cache off, whatever the switch says.
         c = make_config(); c.model_config.get_multimodal_config().mm_processor_cache_gb = 0
         assert factories.processor_cache_from_config(c) is None
+        assert factories.engine_receiver_cache_from_config(c) is None
         assert factories.worker_receiver_cache_from_config(c, None) is None
         print("ok")
         """,

@@ -2,6 +2,7 @@
 request stream through vLLM's shm cache and through shmstore's, the miss path, two
 front-ends on one store, forked and spawned workers, workers and front-ends killed."""
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -48,32 +49,100 @@ def test_forked_and_spawned_workers(store_env, method):
     assert processed
 
 
-def test_a_missing_item_raises_vllms_miss_error_with_every_missing_hash_and_a_resend_recovers(store_env):
+def test_an_item_gone_before_the_engine_core_admits_its_request_is_a_miss_there_and_a_resend_recovers(
+    store_env,
+):
+    # vLLM recovers from a miss only in the engine core (a retryable error; a miss in a
+    # worker stops vLLM): the engine core's gate finds every missing item of the request
+    # before any worker sees it.
+    from vllm.multimodal.cache.base import MultiModalCacheMissError
+
     c = Cluster("shmstore", make_config(world_size=1), 1, env=store_env)
     try:
         hashes = ["m1", "m2", "m3"]
-        # m2 is a hit in the request below, m1 and m3 are new there (the worker keeps the
-        # items it read for hits, so only items it has not read yet can go missing).
-        assert c.request(["m2"])[0] == expected(["m2"])
-        # Sent, then gone before the worker looks (deleted by another process, say).
-        req, targets = c.send(hashes, mode="pause")
-        assert c.workers[0][1].recv()[0] == "paused"
+        assert c.request(["m2"])[0] == expected(["m2"])  # m2 is a hit below
+
+        def gone():  # deleted by another process while the request is on its way
+            for h in ("m1", "m3"):
+                c.sender.store.delete(h)
+
+        with pytest.raises(MultiModalCacheMissError) as miss:
+            c.send(hashes, before_engine=gone)
+        assert sorted(miss.value.mm_hashes) == ["m1", "m3"]  # all of them, in one error
+        del miss
+        gc.collect()  # the traceback held the request
+        assert c.gate.pins.objects() == 0, "what the gate pinned for m2 went with the request"
         for h in ("m1", "m3"):
-            c.sender.store.delete(h)
-        c.workers[0][1].send("go")
-        (tag, missing), = c.collect(req, targets).values()
-        assert tag == "miss" and sorted(missing) == ["m1", "m3"]
-        for h in missing:
             c.sender.invalidate(h)
         assert not c.sender.inline_only, "the store did not hold them: a plain miss"
         # The front-end no longer pins the deleted objects (its window of recent sends
         # let go of them), so their memory is free now, and the resend below pins the
         # new objects, not the old ones.
         assert c.sender.store.stats()["draining"] == 0
-        assert c.request(hashes)[0] == expected(hashes)
+        assert c.request(hashes)[0] == expected(hashes)  # no worker ever missed
         assert c.processed == {"m1": 2, "m2": 1, "m3": 2}
+        assert c.gate.pins.objects() == 0
     finally:
         c.close()
+
+
+def test_an_item_deleted_after_it_was_sent_is_processed_again_not_missed(store_env):
+    # The front-end still pins the object it sent (its window of recent sends), but the
+    # object was deleted since (another front-end's clear_cache, or by hand): the next
+    # request must not be told it is cached, or its marker fails in the engine core.
+    c = Cluster("shmstore", make_config(world_size=1), 1, env=store_env)
+    try:
+        assert c.request(["d"])[0] == expected(["d"])
+        c.sender.store.delete("d")
+        assert c.sender.is_cached(["d"]) == [False]
+        assert c.request(["d"])[0] == expected(["d"])
+        assert c.retries == 0 and c.processed == {"d": 2}
+    finally:
+        c.close()
+
+
+def test_the_engine_core_keeps_a_requests_items_until_every_worker_has_read_them(store_env):
+    # A request waits in the engine core (its worker reads it late) while the front-end
+    # stores far more than the store holds: the front-end's window of recent sends lets
+    # go of the request's item, and the store evicts everything else, but not that item,
+    # which the engine core's gate pinned when it admitted the request.
+    c = Cluster("shmstore", make_config(cache_mb=16, world_size=2), 2, env=store_env, item_scale=2.0)
+    try:
+        req, targets = c.send(["waiting"], mode="pause")
+        assert [c.workers[w][1].recv()[0] for w in targets] == ["paused"] * 2
+        evictions = c.sender.store.stats()["evictions"]
+        for i in range(60):
+            h = f"later-{i}"
+            c.sender.get_and_update_item((make_item(h, scale=2.0), []), h)
+        assert c.sender.store.stats()["evictions"] - evictions > 20
+        assert "waiting" not in c.sender._inflight, "the front-end let go of it"
+        for w in targets:
+            c.workers[w][1].send("go")
+        assert all(d == ("ok", expected(["waiting"], scale=2.0)) for d in c.collect(req, targets).values())
+        assert c.gate.pins.objects() == 0, "the request is done: its pin went"
+    finally:
+        c.close()
+
+
+def test_a_front_end_whose_engine_core_cannot_see_its_store_sends_items_inline(store_env):
+    # An engine core on another machine (a data-parallel rank there, with
+    # SHMSTORE_VLLM=force) attaches a store of that machine, which is empty: its gate
+    # misses every item. The front-end still pins the objects it sent, and the store
+    # still holds them: whoever missed them cannot see this store. It sends items
+    # inline from then on, and the retried request goes through.
+    c = Cluster("shmstore", make_config(world_size=1), 1, env=store_env)
+    elsewhere = shmstore.Store.create(
+        f"/dev/shm/{store_env['SHMSTORE_VLLM_STORE']}-elsewhere", 16 << 20, remove_when_unused=True)
+    try:
+        c.gate = sv.ShmstoreEngineGate(store=elsewhere)
+        hashes = ["x1", "x2"]
+        assert c.request(hashes)[0] == expected(hashes)
+        assert c.sender.inline_only and c.retries == 1 and c.inline == 2
+        assert c.request(["x3"])[0] == expected(["x3"])
+        assert c.retries == 1 and c.inline == 3
+    finally:
+        c.close()
+        del elsewhere
 
 
 def _frontend(env, seed, n, conn):

@@ -10,11 +10,17 @@ three cache factories then return, in place of its default cache or its ``shm`` 
   sends the workers only a marker: the ``mm_hash`` the request already carries is the key.
 * ``ShmstoreReceiverCache`` in every worker (P1): it maps the item back as the same
   ``MultiModalKwargsItem`` with torch tensors over the shared bytes (zero-copy, pinned
-  while they live), or raises vLLM's ``MultiModalCacheMissError`` with every missing hash
-  of the request, so that vLLM's retry path resends the data.
-* no cache in the engine-core process (as for vLLM's own ``shm`` cache), except with
-  Ray's executor on several nodes: there ``ShmstorePrefetcher`` starts moving each
-  request's new items to the other nodes' stores as the request arrives.
+  while they live). The engine core's gate (below) has pinned every item a worker is
+  asked for; an item gone all the same (deleted by hand while its request ran) raises
+  vLLM's ``MultiModalCacheMissError`` with every missing hash, which vLLM treats as a
+  failed step.
+* ``ShmstoreEngineGate`` in the engine-core process: it admits a request only if the
+  store holds every item it names, and pins those items until the engine core lets go
+  of the request, so that a worker never misses one. vLLM recovers from a miss only in
+  the engine core (a retryable error; the front-end drops the item and the client
+  sends it again); a miss in a worker stops vLLM. With Ray's executor on several nodes,
+  ``ShmstorePrefetcher`` also starts moving each request's new items to the other
+  nodes' stores as the request arrives.
 
 It also takes the place of vLLM's ``processor_only`` fallback with data parallelism or
 several API servers: every front-end writes the one store; the first put of an item wins.
@@ -62,7 +68,8 @@ Settings (environment):
 The package, one module per concept: ``item_format`` (an item as one shmstore item, and
 the marker), ``prompt_updates`` (an item's prompt updates as data, stored with it),
 ``instance`` (the store of one vLLM instance), ``sender`` (P0),
-``receiver`` (P1, with CUDA registration), ``nodes`` (Ray, several machines), ``plugin``
+``receiver`` (P1, with CUDA registration), ``gate`` (the engine core), ``nodes`` (Ray,
+several machines), ``plugin``
 (the entry point and when it applies). Importing the package imports none of them, nor
 vLLM or torch: vLLM loads the entry point in every process, also where the switch is off.
 A name is imported from its module on first use (``shmstore.vllm.ShmstoreSenderCache``).
@@ -89,7 +96,8 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers
         is_marker,
         marker_item,
     )
-    from .nodes import ShmstorePrefetcher, engine_prefetcher
+    from .gate import RequestPins, ShmstoreEngineGate
+    from .nodes import ShmstorePrefetcher, engine_cache, engine_prefetcher
     from .plugin import applies
     from .receiver import (
         ShmstoreReceiverCache,
@@ -119,7 +127,10 @@ _LAZY = {
     "encode_item": "item_format",
     "is_marker": "item_format",
     "marker_item": "item_format",
+    "RequestPins": "gate",
+    "ShmstoreEngineGate": "gate",
     "ShmstorePrefetcher": "nodes",
+    "engine_cache": "nodes",
     "engine_prefetcher": "nodes",
     "applies": "plugin",
     "ShmstoreReceiverCache": "receiver",

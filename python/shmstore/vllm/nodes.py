@@ -18,6 +18,7 @@ from typing_extensions import override
 from vllm.multimodal.cache.base import BaseMultiModalReceiverCache
 from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem
 
+from .gate import ShmstoreEngineGate
 from .instance import _capacity, _log_once, store_name
 from .item_format import is_marker
 
@@ -68,18 +69,29 @@ class ShmstorePrefetcher(BaseMultiModalReceiverCache):
     own reads fetch what their node lacks, as without it. Items it has seen are
     remembered (the last ``remember``), so that a cache hit in the front-end, which
     sends the same marker again, costs no call.
+
+    On the front-end's node it first admits the request through ``gate`` (the
+    ``ShmstoreEngineGate``): an item the front-end's store no longer holds is a miss
+    here, where vLLM recovers from it, and the items of admitted requests stay pinned
+    at the source until the engine core drops the request, so that no bridge finds
+    them gone.
     """
 
-    def __init__(self, nodes: Any, *, remember: int = 1 << 16) -> None:
+    def __init__(
+        self, nodes: Any, *, remember: int = 1 << 16, gate: ShmstoreEngineGate | None = None
+    ) -> None:
         super().__init__()
         self.nodes = nodes
         self.remember = remember
+        self.gate = gate
         self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     @override
     def get_and_update_features(
         self, mm_features: list[MultiModalFeatureSpec]
     ) -> list[MultiModalFeatureSpec]:
+        if self.gate is not None:
+            self.gate.admit(mm_features)
         keys = []
         for f in mm_features:
             if f.data is None or not is_marker(f.data):
@@ -117,13 +129,30 @@ class ShmstorePrefetcher(BaseMultiModalReceiverCache):
         self.seen.clear()
 
 
-def engine_prefetcher(vllm_config) -> ShmstorePrefetcher | None:
+def engine_cache(vllm_config) -> BaseMultiModalReceiverCache | None:
+    """The engine core's cache (vLLM's engine-side receiver slot): the
+    ``ShmstoreEngineGate`` where the engine core runs on the front-end's machine (always,
+    without Ray's executor), with Ray's executor on several nodes the
+    ``ShmstorePrefetcher`` around it (``engine_prefetcher``), and None on another node
+    without a prefetcher."""
+    nodes = _node_stores(vllm_config)
+    gate = None
+    if nodes is None or nodes.this_node() == nodes.source():
+        gate = ShmstoreEngineGate(vllm_config)
+    prefetcher = engine_prefetcher(vllm_config, nodes=nodes, gate=gate)
+    return prefetcher if prefetcher is not None else gate
+
+
+def engine_prefetcher(
+    vllm_config, *, nodes: Any = None, gate: ShmstoreEngineGate | None = None
+) -> ShmstorePrefetcher | None:
     """The engine core's prefetcher when Ray's executor spans several nodes (Ray is up
     in the engine core: the executor started it), unless ``SHMSTORE_VLLM_PREFETCH=0``;
-    None otherwise (vLLM's own ``shm`` cache has no engine-core cache either)."""
+    None otherwise. ``gate`` admits each request first (on the front-end's node)."""
     if os.environ.get("SHMSTORE_VLLM_PREFETCH", "1") == "0":
         return None
-    nodes = _node_stores(vllm_config)
+    if nodes is None:
+        nodes = _node_stores(vllm_config)
     if nodes is None:
         return None
     import ray
@@ -135,4 +164,4 @@ def engine_prefetcher(vllm_config) -> ShmstorePrefetcher | None:
         "shmstore: the engine core prefetches each request's items into the stores of "
         "the other nodes as the request arrives (SHMSTORE_VLLM_PREFETCH=0 turns it off)",
     )
-    return ShmstorePrefetcher(nodes)
+    return ShmstorePrefetcher(nodes, gate=gate)

@@ -23,7 +23,7 @@ from .instance import (
     store_name,
     use_vllm_logging,
 )
-from .nodes import _ray_backend, engine_prefetcher
+from .nodes import _ray_backend, engine_cache
 from .receiver import ShmstoreReceiverCache
 from .sender import ShmstoreSenderCache
 
@@ -114,7 +114,7 @@ def register() -> None:
 
     def engine_receiver_cache_from_config(vllm_config):
         if applies(vllm_config):
-            return engine_prefetcher(vllm_config)
+            return engine_cache(vllm_config)
         return orig_engine(vllm_config)
 
     def worker_receiver_cache_from_config(vllm_config, shared_worker_lock=None):

@@ -2,8 +2,10 @@
 items as zero-copy torch tensors, and registers the store with CUDA when a GPU is there.
 
 Invariants: a returned tensor pins its object while it lives; a missing item raises
-vLLM's ``MultiModalCacheMissError`` (vLLM resends), never a wrong item; the items kept
-for hits stay within their byte budget.
+vLLM's ``MultiModalCacheMissError``, never a wrong item (the engine core's gate pinned
+every item a worker is asked for, so only an item deleted by hand while its request ran
+can be missing; vLLM treats a worker's miss as a failed step); the items kept for hits
+stay within their byte budget.
 """
 
 from __future__ import annotations
@@ -101,7 +103,16 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
                 self.nodes.ensure_local(keys)  # one round trip for the whole request
             except (ItemsMissing, FetchFailed) as e:
                 raise MultiModalCacheMissError([str(k) for k in e.keys]) from None
-        super().get_and_update_features(present)
+        try:
+            super().get_and_update_features(present)
+        except MultiModalCacheMissError as e:
+            logger.error(
+                "shmstore: this worker cannot find items %s in %s, although the engine "
+                "core admitted their request with the items pinned: was the store "
+                "cleared while requests ran (vLLM's reset_mm_cache), or does this worker "
+                "run on a machine other than the front-end's (SHMSTORE_VLLM=force without "
+                "Ray)? vLLM stops on a miss in a worker", e.mm_hashes, self.store.path)
+            raise
         return mm_features
 
     @override

@@ -26,6 +26,7 @@ from vllm.utils.cache import CacheInfo
 
 from .. import _native
 from ..items import put_described
+from .gate import object_address
 from .instance import _capacity, _export_metrics, open_store, store_path
 from .item_format import _MiB, Unsupported, describe_item, is_marker, marker_item
 from .nodes import _ray_backend
@@ -158,7 +159,15 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
             self._warn_once(e.reason, f"shmstore: an item goes inline ({e}); said once per reason")
             return mm_item
         except _native.AlreadyExists:
-            pin = None  # another front-end is putting (or put) it: the first put wins
+            # Another front-end put it first (the first put wins), or is writing it now.
+            pin = self.store.try_get(mm_hash)
+            if pin is None:
+                # Not sealed yet (or on its way out): no one can read it now, and a marker
+                # would be a miss in the engine core's gate, a failed request. This once
+                # the item goes inline; its next hit finds it sealed (or stores it).
+                self._updates[mm_hash] = updates
+                self._updates.move_to_end(mm_hash)
+                return mm_item
         except (_native.Full, _native.TooLarge, _native.TableFull) as e:
             logger.debug("shmstore: item %s not cached (%s)", mm_hash, e)
             return mm_item
@@ -175,9 +184,13 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
 
     @override
     def invalidate(self, mm_hash: str) -> None:
-        # A worker missed the item. If the store still holds it, the worker cannot see
-        # the store (it runs on another machine): from now on, items go inline.
-        if self.store.contains(mm_hash) and not self.inline_only and not self.bridged:
+        # The engine core's gate (or a worker) missed the item. If this front-end still
+        # pins the very object it sent, and the store still holds that object under the
+        # key, the process that missed it cannot see this store (it runs on another
+        # machine): from now on, items go inline. Any other miss is an ordinary one: the
+        # item was deleted, or evicted once no one pinned it, and perhaps stored again
+        # since by another front-end; then only this item is dropped.
+        if not self.inline_only and not self.bridged and self._holds_what_it_sent(mm_hash):
             self.inline_only = True
             logger.warning(
                 "shmstore: a worker could not read item %s from %s although the "
@@ -193,8 +206,13 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         self._inflight.clear()
         self._inflight_bytes = 0
         self._updates.clear()
-        for oid, _len, state, _pins in self.store.list():
-            if state != "sealed":
+        # Items some process pins stay: a request the engine core admitted (its gate
+        # pins the request's items) or a worker still reads them, and a worker finds
+        # items by key, so deleting one would fail a running request (vLLM resets the
+        # cache between runs, and warns if requests are in flight). They are evictable
+        # again once unpinned.
+        for oid, _len, state, pins in self.store.list():
+            if state != "sealed" or pins:
                 continue
             try:
                 self.store.delete(oid)
@@ -236,13 +254,27 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         self._touched[mm_hash] = v
         return True
 
-    def _pin(self, mm_hash: str) -> memoryview | None:
-        """A pin on the item: the one its recent send holds (a hit on an item sent
-        recently costs no lookup in the store), else a new one; None if it is gone."""
+    def _holds_what_it_sent(self, mm_hash: str) -> bool:
+        """Whether this front-end pins the object it sent for ``mm_hash`` and the store
+        still answers the key with that object (a pin keeps it from being freed, so the
+        same address is the same object)."""
         sent = self._inflight.get(mm_hash)
-        if sent is not None:
-            return sent[0]
-        return self.store.try_get(mm_hash)
+        pin = sent[0] if sent is not None else self._touched.get(mm_hash)
+        if pin is None:
+            return False
+        now = self.store.try_get(mm_hash)
+        return now is not None and object_address(now) == object_address(pin)
+
+    def _pin(self, mm_hash: str) -> memoryview | None:
+        """A new pin on the item the store holds now, or None if it is gone. A pin
+        from a recent send does not answer for it: the object may have been deleted
+        since (by another front-end's ``clear_cache``, or by hand), and a marker naming
+        it would fail its request in the engine core's gate. Such a stale pin goes."""
+        now = self.store.try_get(mm_hash)
+        sent = self._inflight.get(mm_hash)
+        if sent is not None and (now is None or object_address(sent[0]) != object_address(now)):
+            self._forget_sent(mm_hash)
+        return now
 
     def _forget_sent(self, mm_hash: str) -> None:
         sent = self._inflight.pop(mm_hash, None)
