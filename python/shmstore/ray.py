@@ -257,6 +257,25 @@ class NodeStores:
             lambda s, t: _get_item(s, key, t, as_torch=as_torch, wait_if_absent=False),
         )
 
+    def read_private(
+        self, keys: Sequence[str | bytes], *, source: str | None = None
+    ) -> list[memoryview | None]:
+        """Each item's bytes straight from ``source``'s bridge (default: ``source()``)
+        into this process's memory, past this node's store: one copy, not shared, not
+        kept; None where the source lacks the item. For a reader whose node store cannot
+        take an item now (full of pinned items: ``FetchFailed``) or lost its copy (the
+        node's bridge killed mid-fetch: ``CreatorDied``), and must not fail."""
+        served = self._call(source or self.source(), "serve", list(keys))
+        refs = [s[2][0] for s in served if s is not None and not isinstance(s[2], bytes)]
+        fetched = iter(ray.get(refs)) if refs else iter(())
+        out: list[memoryview | None] = []
+        for s in served:
+            if s is None:
+                out.append(None)
+            else:
+                out.append(memoryview(s[2] if isinstance(s[2], bytes) else next(fetched)))
+        return out
+
     def _read(self, key, timeout, source, read):
         timeout = self.timeout if timeout is None else timeout
         source = source or self.source()

@@ -1,14 +1,19 @@
 """shmstore.vllm with vLLM's Ray executor: workers on other nodes read each item through
-their node's store, fetched once per node; a lost item is vLLM's miss path."""
+their node's store, fetched once per node; an item gone at the source is a miss in the
+engine core (vLLM's retry path), and a node store that cannot hold an item, or lost its
+copy mid-fetch, is read past, never a miss in a worker (which stops vLLM)."""
 
 from __future__ import annotations
 
 import gc
 import os
+import signal
 import uuid
 
 import pytest
 import ray
+
+import shmstore
 
 pytest.importorskip("vllm")
 
@@ -129,6 +134,57 @@ def test_an_item_the_front_end_lost_is_a_miss_in_the_engine_core_and_the_retry_p
     assert ray.get(w.request.remote(entries)) == ("ok", [digest(make_item(h)) for h in hashes])
     del features  # the request is done
     assert engine.gate.pins.objects() == 0
+
+
+def test_a_remote_worker_whose_node_lost_its_copy_mid_fetch_reads_the_item_from_the_source(
+    cluster, vllm_env
+):
+    # node2's bridge dies while it writes the item into node2's store (Ray restarts it):
+    # the worker waiting for that copy gets CreatorDied, and a miss in a worker would
+    # stop vLLM. It reads the item from the front-end's node into its own memory.
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    import shmstore.vllm as sv
+
+    config = ray_config()
+    sender = sv.ShmstoreSenderCache(config)
+    (w,) = workers(config, vllm_env, ["node2"])
+    ray.get(w.info.remote())  # node2's bridge and store exist
+    nodes = NodeStores(vllm_env["SHMSTORE_VLLM_STORE"], 0)
+    bridge = nodes.bridge(cluster["node2"])
+    ray.get(bridge.hold_transfers.remote(True))
+    pid = ray.get(bridge.stats.remote())["pid"]
+    image = make_item("held", kind="image")  # 1.2 MiB: it comes through Ray's object store
+    marker, _ = sender.get_and_update_item((image, []), "held")
+    reading = w.request.remote([("held", list(MsgpackEncoder().encode(marker)))])
+    wait_until("node2's copy being written", lambda: ray.get(bridge.stats.remote())["unsealed"] == 1)
+    os.kill(pid, signal.SIGKILL)
+    assert ray.get(reading) == ("ok", [digest(image)])
+
+
+def test_a_remote_worker_whose_node_store_is_full_of_pinned_items_reads_past_it(cluster, vllm_env):
+    # Every byte of node2's store pinned (by readers there): its bridge cannot take the
+    # item (FetchFailed). The worker reads it from the front-end's node instead.
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    import shmstore.vllm as sv
+
+    config = ray_config()
+    sender = sv.ShmstoreSenderCache(config)
+    (w,) = workers(config, vllm_env, ["node2"])
+    ray.get(w.info.remote())  # node2's store exists
+    nodes = NodeStores(vllm_env["SHMSTORE_VLLM_STORE"], 0)
+    node2 = shmstore.Store.open(nodes.store_name(cluster["node2"]))
+    held = []
+    with pytest.raises(shmstore.Full):
+        for i in range(1 << 12):
+            node2.put(f"pinned-{i}", bytes(1 << 20))
+            held.append(node2.get(f"pinned-{i}"))
+    hashes = ["p1", "p2"]
+    entries = send(sender, MsgpackEncoder(), hashes, set(hashes))
+    assert ray.get(w.request.remote(entries)) == ("ok", [digest(make_item(h)) for h in hashes])
+    assert not any(node2.contains(h) for h in hashes), "read past the full store"
+    del held
 
 
 def engine_features(decoder, entries: list[tuple[str, list[bytes]]]) -> list:

@@ -324,7 +324,8 @@ def use_vllm_logging() -> None:
         ours.setLevel(level if isinstance(level, int) else logging.INFO)
 
 
-def _log_once(key: str, msg: str) -> None:
+def _log_once(key: str, msg: str, level: int = logging.INFO) -> None:
+    """Logs ``msg`` once per process for ``key`` (a condition that repeats)."""
     if key not in _logged:
         _logged.add(key)
-        logger.info(msg)
+        logger.log(level, msg)

@@ -25,7 +25,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem
 
 from .. import _native, cuda
 from ..cuda import wait_for_huge_pages
-from .instance import open_store, remove_stale_stores
+from .instance import _log_once, open_store, remove_stale_stores
 from .item_format import _ITEMSIZE, decode_item, is_marker
 from .nodes import _remote_node_stores
 
@@ -79,6 +79,9 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
         register_with_cuda_later(self)
         if keep_fraction is None:
             keep_fraction = float(os.environ.get("SHMSTORE_VLLM_WORKER_KEEP", "0.125"))
+        #: Items of the request being read that this node's store could not take
+        #: (Ray, another node than the front-end's): read past it (``_read``).
+        self._past_node: set[str] = set()
         #: Items kept ready for hits: mm_hash -> (item, its bytes), least recent first.
         self._kept: collections.OrderedDict[str, tuple[MultiModalKwargsItem, int]] = (
             collections.OrderedDict())
@@ -96,13 +99,8 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
         # data=None: prefix caching covered the item; there is nothing to read.
         present = [f for f in mm_features if f.data is not None]
         if self.nodes is not None:
-            from ..ray import FetchFailed, ItemsMissing
-
-            keys = [f.mm_hash or f.identifier for f in present if is_marker(f.data)]
-            try:
-                self.nodes.ensure_local(keys)  # one round trip for the whole request
-            except (ItemsMissing, FetchFailed) as e:
-                raise MultiModalCacheMissError([str(k) for k in e.keys]) from None
+            self._past_node.clear()
+            self._bring_to_node([f.mm_hash or f.identifier for f in present if is_marker(f.data)])
         try:
             super().get_and_update_features(present)
         except MultiModalCacheMissError as e:
@@ -127,7 +125,7 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
             self._kept.move_to_end(mm_hash)
             return kept[0]
         try:
-            arrays, nbytes = _get_torch_item(self.store, mm_hash, self.timeout)
+            arrays, nbytes = self._read(mm_hash)
         except (_native.NotFound, _native.CreatorDied, _native.Timeout):
             raise MultiModalCacheMissError([mm_hash]) from None
         item = decode_item(arrays)
@@ -135,6 +133,52 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
         if self.cuda_device_known is not None and not self.cuda_device_known.is_set():
             note_cuda_device(self)
         return item
+
+    def _bring_to_node(self, keys: list[str]) -> None:
+        """On a Ray node other than the front-end's: brings a request's items into this
+        node's store, in one round trip. What the node's store cannot take now (full of
+        pinned items) is read past it, into this worker's memory (``_read``): a miss in
+        a worker would stop vLLM, and the engine core's gate keeps the items at the
+        source until the request is done. Only items the source lacks are a miss."""
+        from ..ray import FetchFailed, ItemsMissing
+
+        try:
+            self.nodes.ensure_local(keys)
+        except FetchFailed as e:
+            self._past_node.update(str(k) for k in e.keys)
+            _log_once("node-store-full", (
+                f"shmstore: this node's store cannot take items now ({e}); this worker "
+                "reads them from the front-end's node into its own memory instead"),
+                logging.WARNING)
+            try:
+                self.nodes.ensure_local([k for k in keys if k not in self._past_node])
+            except ItemsMissing as missing:
+                raise MultiModalCacheMissError([str(k) for k in missing.keys]) from None
+            except FetchFailed as again:
+                self._past_node.update(str(k) for k in again.keys)
+        except ItemsMissing as e:
+            raise MultiModalCacheMissError([str(k) for k in e.keys]) from None
+
+    def _read(self, mm_hash: str) -> tuple[dict[str, Any], int]:
+        """The item's tensors and size: zero-copy from the store, or, on a Ray node
+        other than the front-end's where this node's copy cannot be had (its store full
+        of pinned items, the copy evicted between fetch and read, or its bridge killed
+        mid-fetch), a private copy read from the front-end's node."""
+        if self.nodes is None:
+            return _get_torch_item(self.store, mm_hash, self.timeout)
+        if mm_hash not in self._past_node:
+            try:
+                return _get_torch_item(self.store, mm_hash, self.timeout)
+            except (_native.NotFound, _native.CreatorDied, _native.Timeout) as e:
+                _log_once("node-copy-lost", (
+                    f"shmstore: this node's copy of an item was lost before this worker "
+                    f"read it ({e}); reading it from the front-end's node instead"),
+                    logging.WARNING)
+        self._past_node.discard(mm_hash)
+        (data,) = self.nodes.read_private([mm_hash])
+        if data is None:
+            raise _native.NotFound(f"item {mm_hash} is not at its source either")
+        return _torch_item(data), data.nbytes
 
     def _keep(self, mm_hash: str, item: MultiModalKwargsItem, nbytes: int) -> None:
         """Keeps ``item`` ready for hits if it fits the budget, letting go of the least
@@ -168,6 +212,11 @@ def _get_torch_item(store, mm_hash: str, timeout: float) -> tuple[dict[str, Any]
     size. Waits only if the item is being created (another front-end is writing it); an
     absent item is a miss at once."""
     mv = store.get(mm_hash, timeout, wait_if_absent=False)
+    return _torch_item(mv), mv.nbytes
+
+
+def _torch_item(mv: memoryview) -> dict[str, Any]:
+    """The tensors of the item in ``mv`` (views of its bytes)."""
     arrays, meta = _native.decode_item(mv)
     out: dict[str, Any] = {}
     for name, dt, shape, offset, nbytes in arrays:
@@ -178,7 +227,7 @@ def _get_torch_item(store, mm_hash: str, timeout: float) -> tuple[dict[str, Any]
         out[name] = torch.frombuffer(mv, dtype=tdt, count=nbytes // _ITEMSIZE[dt], offset=offset).view(shape)
     if meta:
         out["__meta__"] = meta
-    return out, mv.nbytes
+    return out
 
 
 def register_with_cuda_later(receiver) -> None:
