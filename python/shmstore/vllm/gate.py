@@ -144,7 +144,8 @@ class ShmstoreEngineGate(BaseMultiModalReceiverCache):
             if ident is None:
                 missing.append(key)
             else:
-                weakref.finalize(owner, self.pins.unpin, ident)
+                # Not at interpreter exit: a process that leaves drops its pins anyway.
+                weakref.finalize(owner, self.pins.unpin, ident).atexit = False
         if missing:
             raise MultiModalCacheMissError(missing)
 

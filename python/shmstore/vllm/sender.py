@@ -266,15 +266,18 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         return now is not None and object_address(now) == object_address(pin)
 
     def _pin(self, mm_hash: str) -> memoryview | None:
-        """A new pin on the item the store holds now, or None if it is gone. A pin
-        from a recent send does not answer for it: the object may have been deleted
-        since (by another front-end's ``clear_cache``, or by hand), and a marker naming
-        it would fail its request in the engine core's gate. Such a stale pin goes."""
-        now = self.store.try_get(mm_hash)
+        """A pin on the item the store holds, or None if it is gone. A recent send's pin
+        answers only while the store still holds the key (0.1 us to ask, against 0.3 us
+        for a new pin): it keeps the object's bytes, not its key, and an item deleted
+        since (another front-end's ``clear_cache``, or by hand) would give a marker that
+        fails its request in the engine core's gate. Such a stale pin goes."""
         sent = self._inflight.get(mm_hash)
-        if sent is not None and (now is None or object_address(sent[0]) != object_address(now)):
-            self._forget_sent(mm_hash)
-        return now
+        if sent is None:
+            return self.store.try_get(mm_hash)
+        if self.store.contains(mm_hash):
+            return sent[0]
+        self._forget_sent(mm_hash)
+        return None
 
     def _forget_sent(self, mm_hash: str) -> None:
         sent = self._inflight.pop(mm_hash, None)
