@@ -193,9 +193,10 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         if not self.inline_only and not self.bridged and self._holds_what_it_sent(mm_hash):
             self.inline_only = True
             logger.warning(
-                "shmstore: a worker could not read item %s from %s although the "
-                "store holds it; workers on another machine? Sending items inline from "
-                "now on (see docs/vllm.md, multi-node).", mm_hash, store_path())
+                "shmstore: vLLM's engine core could not find item %s in %s although "
+                "the store holds the very object this front-end sent: an engine core on "
+                "another machine? Sending items inline from now on (see docs/vllm.md, "
+                "multi-node).", mm_hash, store_path())
         self._updates.pop(mm_hash, None)
         self._touched.pop(mm_hash, None)
         self._forget_sent(mm_hash)
