@@ -100,7 +100,25 @@ class RequestPins:
             return len(self._held)
 
 
-class ShmstoreEngineGate(BaseMultiModalReceiverCache):
+class PassThroughCache(BaseMultiModalReceiverCache):
+    """An engine-core cache that hands every item on as it came: the workers read it
+    (the gate and the Ray prefetcher add their work in ``get_and_update_features``)."""
+
+    @override
+    def get_and_update_item(
+        self, mm_item: MultiModalKwargsItem | None, mm_hash: str
+    ) -> MultiModalKwargsItem:
+        assert mm_item is not None, f"Expected an item for {mm_hash=}"
+        return mm_item  # unchanged: the workers read it
+
+    @override
+    def touch_receiver_cache_item(
+        self, mm_hash: str, mm_item: MultiModalKwargsItem | None = None
+    ) -> None:
+        pass
+
+
+class ShmstoreEngineGate(PassThroughCache):
     """The engine-core cache (vLLM's engine-side receiver slot, which vLLM's ``shm``
     cache leaves empty): passes every feature on unchanged, after pinning each marker's
     object until the engine core lets go of the marker. A request naming an item the
@@ -148,19 +166,6 @@ class ShmstoreEngineGate(BaseMultiModalReceiverCache):
                 weakref.finalize(owner, self.pins.unpin, ident).atexit = False
         if missing:
             raise MultiModalCacheMissError(missing)
-
-    @override
-    def get_and_update_item(
-        self, mm_item: MultiModalKwargsItem | None, mm_hash: str
-    ) -> MultiModalKwargsItem:
-        assert mm_item is not None, f"Expected an item for {mm_hash=}"
-        return mm_item  # unchanged: the workers read it
-
-    @override
-    def touch_receiver_cache_item(
-        self, mm_hash: str, mm_item: MultiModalKwargsItem | None = None
-    ) -> None:
-        pass
 
     @override
     def clear_cache(self) -> None:

@@ -16,9 +16,9 @@ from typing import Any
 from typing_extensions import override
 
 from vllm.multimodal.cache.base import BaseMultiModalReceiverCache
-from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem
+from vllm.multimodal.inputs import MultiModalFeatureSpec
 
-from .gate import ShmstoreEngineGate
+from .gate import PassThroughCache, ShmstoreEngineGate
 from .instance import _capacity, _log_once, store_name
 from .item_format import is_marker
 
@@ -55,7 +55,7 @@ def _remote_node_stores(vllm_config):
     return None if nodes is None or nodes.this_node() == nodes.source() else nodes
 
 
-class ShmstorePrefetcher(BaseMultiModalReceiverCache):
+class ShmstorePrefetcher(PassThroughCache):
     """The engine-core cache with Ray's executor on several nodes. It passes every
     feature on unchanged; for each item it has not seen yet, it asks the bridges of the
     other nodes to fetch it now, as the request arrives (``NodeStores.prefetch``: one
@@ -110,19 +110,6 @@ class ShmstorePrefetcher(BaseMultiModalReceiverCache):
             except Exception as e:  # noqa: BLE001 - an optimization: workers fetch anyway
                 _log_once("prefetch", f"shmstore: prefetch failed ({e}); workers fetch items themselves")
         return mm_features
-
-    @override
-    def get_and_update_item(
-        self, mm_item: MultiModalKwargsItem | None, mm_hash: str
-    ) -> MultiModalKwargsItem:
-        assert mm_item is not None, f"Expected an item for {mm_hash=}"
-        return mm_item  # unchanged: the workers read it
-
-    @override
-    def touch_receiver_cache_item(
-        self, mm_hash: str, mm_item: MultiModalKwargsItem | None = None
-    ) -> None:
-        pass
 
     @override
     def clear_cache(self) -> None:
