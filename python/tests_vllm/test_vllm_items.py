@@ -511,28 +511,74 @@ def test_a_pin_released_while_the_gate_takes_another_is_released_on_its_next_cal
     assert pins.objects() == 0 and store.stats()["pins"] == 0
 
 
+def merge(sender, hashes):
+    """One request's items through the sender as vLLM's processor merges them: every
+    hash touched, each item sent (processed, as on a first send), then the touches
+    released."""
+    for h in hashes:
+        sender.touch_sender_cache_item(h)
+    try:
+        return [sender.get_and_update_item((make_item(h), make_updates(h)), h) for h in hashes]
+    finally:
+        sender.release_sender_touches()
+
+
 def test_clearing_the_cache_leaves_the_items_of_requests_in_flight(store_env):
     # vLLM's reset_mm_cache while requests run (vLLM warns about it): the items the
-    # engine core admitted stay, or their workers would miss them and stop vLLM.
+    # engine core admitted stay, and so do those the front-end just sent (still on their
+    # way to the engine core), or their requests would fail. Items other front-ends
+    # stored (another API server, another instance sharing the store) are theirs.
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
     config = make_config()
-    sender, gate = sv.ShmstoreSenderCache(config), sv.ShmstoreEngineGate(config)
+    # A window of recent sends that holds only the latest request's items.
+    sender = sv.ShmstoreSenderCache(config, inflight_fraction=1e-9)
+    gate = sv.ShmstoreEngineGate(config)
     try:
-        for h in ("running", "done"):
-            sender.get_and_update_item((make_item(h), make_updates(h)), h)
+        store = sender.store
+        merge(sender, ["running"])
         request = [MultiModalFeatureSpec(data=sv.marker_item(), modality="image", identifier="running",
                                          mm_position=PlaceholderRange(offset=0, length=1), mm_hash="running")]
         gate.get_and_update_features(request)
+        merge(sender, ["done"])
+        merge(sender, ["on its way"])  # pushes "done" and "running" out of the window
+        store.put("someone else's", b"x")
+        other = sv.ShmstoreSenderCache(config)
+        merge(other, ["another front-end's"])
+        other.close()
         sender.clear_cache()
-        store = sender.store
-        assert store.contains("running") and not store.contains("done")
-        # "running" is still a hit (its prompt updates are stored with it); "done" is
-        # processed again.
-        assert sender.is_cached(["running", "done"]) == [True, False]
+        assert store.contains("running") and store.contains("on its way")
+        assert not store.contains("done")
+        assert store.contains("someone else's") and store.contains("another front-end's")
+        # The front-end forgot every item; those still stored are hits (their prompt
+        # updates are stored with them), the others are processed again.
+        assert sender.is_cached(["running", "on its way", "done"]) == [True, True, False]
         sender.release_sender_touches()
         del request  # the request is done
+        merge(sender, ["next"])
         sender.clear_cache()
-        assert not store.contains("running")
+        assert not store.contains("running") and not store.contains("on its way")
+    finally:
+        sender.close()
+
+
+def test_the_window_of_sends_keeps_every_item_of_the_request_being_merged(store_env):
+    # A request whose items alone are over the window's budget: none of them may be
+    # unpinned before the request leaves for the engine core (the store could evict it
+    # before the engine core's gate admits the request, which would fail). The next
+    # request pushes them out; items sent outside a merge (vLLM's inject_into_mm_cache)
+    # keep only the newest.
+    sender = sv.ShmstoreSenderCache(make_config(), inflight_fraction=1e-9)
+    try:
+        first = ["a", "b", "c"]
+        merge(sender, first)
+        assert list(sender._inflight) == first
+        assert sender.store.stats()["pins"] == 3
+        merge(sender, ["d", "e"])
+        assert list(sender._inflight) == ["d", "e"]
+        for h in ("f", "g"):  # as inject_into_mm_cache sends: no touch, no release
+            sender.get_and_update_item((make_item(h), []), h)
+        assert list(sender._inflight) == ["g"]
+        assert sender.store.stats()["pins"] == 1
     finally:
         sender.close()

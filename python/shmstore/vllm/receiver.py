@@ -202,7 +202,8 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
 
     @override
     def clear_cache(self) -> None:
-        # The front-end's clear_cache empties the one store; the kept items' pins go.
+        # The front-end's clear_cache deletes the items it stored; the kept items' pins
+        # go, so that those can be deleted (or evicted).
         self._kept.clear()
         self._kept_bytes = 0
 

@@ -25,6 +25,7 @@ from vllm.multimodal.inputs import MultiModalKwargsItem
 from vllm.utils.cache import CacheInfo
 
 from .. import _native
+from .._native import key_id
 from ..items import put_described
 from .gate import object_address
 from .instance import _capacity, _export_metrics, open_store, store_path
@@ -69,14 +70,26 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         self.max_object_size = int(mm_config.mm_shm_cache_max_object_size_mb * _MiB)
         self._updates: collections.OrderedDict[str, Sequence[Any]] = collections.OrderedDict()
         self._touched: dict[str, memoryview] = {}
+        #: The items this front-end stored, newest last (bounded as ``_updates``): what
+        #: its ``clear_cache`` deletes. A store may be shared (other front-ends, other
+        #: instances, a crashed instance's warm items), and vLLM clears its cache at
+        #: every start.
+        self._stored: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: The window of recent sends: mm_hash -> (pin, bytes), oldest first.
         self._inflight: collections.OrderedDict[str, tuple[memoryview, int]] = (
             collections.OrderedDict())
         self._inflight_bytes = 0
+        #: Whether vLLM is merging a request's items (from its first touch to its
+        #: release), and how many it sent so far: the newest entries of the window,
+        #: which stay there while the request is merged, whatever the window's budget.
+        self._merging = False
+        self._request_sends = 0
         # Each API server runs a front-end with a window of its own: together they pin
         # at most ``inflight_fraction`` of the store, as one front-end does alone.
         front_ends = max(1, int(getattr(vllm_config.parallel_config, "_api_process_count", 1) or 1))
         self._inflight_budget = int(_capacity(vllm_config) * inflight_fraction / front_ends)
+        #: What the window holds at most, a large request's items included.
+        self._inflight_cap = max(self._inflight_budget, _capacity(vllm_config) // (2 * front_ends))
         self._hits = 0
         self._total = 0
         self._last_info = CacheInfo(hits=0, total=0)
@@ -105,6 +118,9 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
 
     @override
     def touch_sender_cache_item(self, mm_hash: str) -> None:
+        # vLLM touches every item of a request before it merges them (and releases
+        # after): the window keeps what the request sends until then.
+        self._merging = True
         if mm_hash in self._touched or mm_hash not in self._updates:
             return
         v = self._pin(mm_hash)
@@ -113,7 +129,11 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
 
     @override
     def release_sender_touches(self) -> None:
+        # vLLM releases once a request's items are merged (in a ``finally``): the next
+        # request's sends may push this one's out of the window, not its own.
         self._touched.clear()
+        self._merging = False
+        self._request_sends = 0
 
     @override
     def get_and_update_item(
@@ -173,6 +193,9 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
             return mm_item
         self._updates[mm_hash] = updates
         self._updates.move_to_end(mm_hash)
+        self._stored[mm_hash] = None
+        if len(self._stored) > _MAX_UPDATES:
+            self._stored.popitem(last=False)
         self._forget_sent(mm_hash)  # a pin from an earlier send may be of a deleted object
         self._send(mm_hash, pin)
         return marker_item(), updates
@@ -203,22 +226,32 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
 
     @override
     def clear_cache(self) -> None:
+        # vLLM calls this at start (after profiling with a dummy item) and on
+        # ``reset_mm_cache``. The front-end forgets every item, and deletes those it
+        # stored itself: other front-ends' items (another API server, another instance
+        # sharing the store, the warm items of a crashed one) are theirs to clear.
         self._touched.clear()
-        self._inflight.clear()
-        self._inflight_bytes = 0
         self._updates.clear()
         # Items some process pins stay: a request the engine core admitted (its gate
-        # pins the request's items) or a worker still reads them, and a worker finds
-        # items by key, so deleting one would fail a running request (vLLM resets the
-        # cache between runs, and warns if requests are in flight). They are evictable
-        # again once unpinned.
+        # pins the request's items), one still on its way there (this front-end's window
+        # of recent sends, which stays for that reason), or a worker still reads them.
+        # Deleting one would fail a request (vLLM warns if requests are in flight).
+        # They stay on the list, for the next clear; evictable once unpinned.
+        mine = {key_id(h): h for h in self._stored}
+        kept: set[str] = set()
         for oid, _len, state, pins in self.store.list():
+            h = mine.get(bytes(oid))
+            if h is None:
+                continue
             if state != "sealed" or pins:
+                kept.add(h)
                 continue
             try:
                 self.store.delete(oid)
             except _native.ShmstoreError:
-                pass  # deleted by another front-end meanwhile
+                pass  # deleted or evicted meanwhile
+        for h in [h for h in self._stored if h not in kept]:
+            del self._stored[h]
         self._hits = self._total = 0
         self._last_info = CacheInfo(hits=0, total=0)
 
@@ -234,6 +267,8 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         self._touched.clear()
         self._inflight.clear()
         self._inflight_bytes = 0
+        self._merging = False
+        self._request_sends = 0
 
     # -- internals --------------------------------------------------------------------
 
@@ -291,15 +326,24 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         sent = self._inflight.get(mm_hash)
         if sent is not None:
             self._inflight.move_to_end(mm_hash)
+            self._request_sends += self._merging
             return
         if pin is None:
             pin = self.store.try_get(mm_hash)
             if pin is None:
-                return  # evicted already: the worker will miss, vLLM resends
+                return  # evicted already: the engine core's gate refuses, vLLM resends
         self._inflight[mm_hash] = (pin, pin.nbytes)
         self._inflight_bytes += pin.nbytes
+        self._request_sends += self._merging
+        # The request's own items stay, even when they alone are over the budget (up
+        # to half the store): a request larger than the window must not unpin its
+        # first items before it leaves for the engine core. Sends outside a merge
+        # (vLLM's ``inject_into_mm_cache``) keep only the newest.
+        keep = max(1, self._request_sends)
         while len(self._inflight) > 1 and (
-            self._inflight_bytes > self._inflight_budget or len(self._inflight) > _MAX_INFLIGHT
+            (len(self._inflight) > keep and self._inflight_bytes > self._inflight_budget)
+            or self._inflight_bytes > self._inflight_cap
+            or len(self._inflight) > _MAX_INFLIGHT
         ):
             _, (_, n) = self._inflight.popitem(last=False)
             self._inflight_bytes -= n
