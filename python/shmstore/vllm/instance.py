@@ -168,6 +168,12 @@ def _page_kind(stats: dict) -> str:
     return f"{label} hugetlb" if size > 4096 else label
 
 
+def _size(n: int) -> str:
+    """A capacity as an operator reads it: GiB from 1 GiB up, MiB below (a store of
+    ``--mm-processor-cache-gb 0.004`` is "4.1 MiB", not "0.0 GiB")."""
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
 def _capacity(vllm_config) -> int:
     mm_config = vllm_config.model_config.get_multimodal_config()
     return int(mm_config.mm_processor_cache_gb * (1 << 30))
@@ -182,7 +188,9 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
         try:
             # Front-ends and workers attach long before they use most of the store: map
             # it in the background so that their first accesses run warm.
-            return _native.Store.open(name, read_only=read_only, populate_in_background=True)
+            return _opened(_native.Store.open(name, read_only=read_only,
+                                              populate_in_background=True),
+                           vllm_config, read_only)
         except _native.StoreNotFound:
             pass
         try:
@@ -213,8 +221,8 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
                 ) from None
             st = s.stats()
             logger.info(
-                "shmstore: multimodal cache in %s (%.1f GiB, %s pages, shared by every "
-                "front-end and worker of this vLLM instance)", name, capacity / (1 << 30),
+                "shmstore: multimodal cache in %s (%s, %s pages, shared by every "
+                "front-end and worker of this vLLM instance)", name, _size(capacity),
                 _page_kind(st))
             if st["page_size"] <= 4096:
                 logger.info(
@@ -237,7 +245,32 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
             return ro
         except _native.StoreExists:
             pass
-    return _native.Store.open(name, read_only=read_only, populate_in_background=True)
+    return _opened(_native.Store.open(name, read_only=read_only, populate_in_background=True),
+                   vllm_config, read_only)
+
+
+def _opened(store: _native.Store, vllm_config, read_only: bool) -> _native.Store:
+    """A store this process attached rather than created. A front-end (the one writer)
+    says so when its capacity is not what vLLM asks for: the store outlived the instance
+    that created it (named by the operator, ``SHMSTORE_VLLM_STORE``, and that instance
+    crashed, or another instance shares it), and it keeps the capacity it was created
+    with."""
+    if read_only:
+        return store
+    want = _capacity(vllm_config)
+    have = store.stats()["capacity"]
+    # A store's capacity is the request rounded up to its allocator's granularity.
+    if have < want or have > want + want // 50 + (4 << 20):
+        gb = vllm_config.model_config.get_multimodal_config().mm_processor_cache_gb
+        _log_once(
+            f"capacity:{store.path}",
+            f"shmstore: {store.path} already exists, with {_size(have)}; this instance "
+            f"asks for {_size(want)} (--mm-processor-cache-gb={gb:g}). It outlived the "
+            "instance that created it (one that crashed, or another instance sharing "
+            "it), and this instance uses it as it is. For the new size, stop every "
+            f"instance using it and remove the file (`rm {store.path}`).",
+            logging.WARNING)
+    return store
 
 
 def _finish_rebuild_and_drop(holder: list) -> None:
