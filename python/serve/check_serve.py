@@ -8,6 +8,12 @@ multimodal cache and then with shmstore's, checking what an operator would see:
 * with shmstore (``shmstore``), the instance's store holds each image once, vLLM counts
   the hits, ``/metrics`` shows the store, the log names it once, and it is gone after the
   server shuts down (Ctrl-C), with nothing left in its directory;
+* with a store of a few images (``shmstore-small``: 4 MiB) and 16 clients at once, items
+  are evicted all the time, yet every request gets the answer its images got alone, and
+  vLLM runs on (``vllm-small`` runs vLLM's own cache the same way, on request);
+* an instance whose store the operator named, SIGKILLed and started again with another
+  size (``shmstore-restarted``), attaches the store it finds, says that its size is not
+  the one asked for, and what it stored before is a hit;
 * an instance with spawned workers (``shmstore-killed``; the others fork them, vLLM's
   default) gives the same answers, and killed with SIGKILL, leaves its store behind; the
   next instance's start removes it. What vLLM itself left in /dev/shm (its message
@@ -27,7 +33,7 @@ multimodal cache and then with shmstore's, checking what an operator would see:
   serve`` stops at start with the store's message naming vLLM's setting, and the kernel
   kills nothing.
 
-    python check_serve.py MODEL_DIR [--only vllm,vllm-dp-2,shmstore,shmstore-killed,shmstore-dp-2,shmstore-memory-limit]
+    python check_serve.py MODEL_DIR [--only vllm,vllm-dp-2,shmstore,shmstore-small,shmstore-restarted,shmstore-killed,shmstore-dp-2,shmstore-memory-limit]
 
 Exit status 0 when every check holds. Prints one line per configuration, with the time
 to first answer and the mean request latency (a tiny model on a CPU: the figures say
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import concurrent.futures
 import io
 import json
 import os
@@ -311,6 +318,118 @@ def run(config: str, model: str, shm_dir: str) -> dict:
     return result
 
 
+#: ``shmstore-small`` / ``vllm-small``: a cache of a few images (``--mm-processor-cache-gb``),
+#: 24 images of 112 to 336 pixels a side (0.07 to 0.54 MiB each as vLLM 0.32's processor
+#: hands them over, one byte per value; 6.5 MiB in all), sent once each, then 96 requests
+#: (a third of them with two images, the first images a little likelier, as popular
+#: images are) from 16 clients at once.
+SMALL_CACHE_GB = 0.004
+LOAD_SEEDS = list(range(100, 124))
+_sides = np.random.default_rng(0).choice([112, 168, 224, 280, 336], (len(LOAD_SEEDS), 2))
+IMAGES.update({s: (int(w), int(h)) for s, (w, h) in zip(LOAD_SEEDS, _sides)})
+LOAD_CLIENTS, LOAD_REQUESTS = 16, 96
+
+
+def load_requests() -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    weights = 1.0 / np.arange(1, len(LOAD_SEEDS) + 1) ** 0.3
+    weights /= weights.sum()
+    return [[int(s) for s in rng.choice(LOAD_SEEDS, 2 if rng.random() < 1 / 3 else 1,
+                                        replace=False, p=weights)]
+            for _ in range(LOAD_REQUESTS)]
+
+
+def run_under_load(config: str, model: str, shm_dir: str) -> dict:
+    """A cache far smaller than what the clients send, under concurrent requests: items
+    are evicted while other requests for them are on their way, and puts find the store
+    full. Every request must get its answer, the answer it got alone."""
+    use = config.startswith("shmstore")
+    server = Server(model, shm_dir, use, ["--mm-processor-cache-gb", str(SMALL_CACHE_GB)])
+    result: dict = {"config": config}
+    try:
+        result["ready_s"] = server.wait_ready()
+        result["alone"] = {s: server.chat([s])[0] for s in LOAD_SEEDS}
+
+        def ask(seeds: list[int]):
+            # A request refused by the engine core's gate (an item evicted before the
+            # engine core admitted the request: the window of recent sends is a
+            # quarter of this tiny store, a few images) ends with HTTP 500 and vLLM's
+            # retryable warning in the log; as vLLM asks of clients, it is sent again,
+            # once. Counted, and checked against the warnings.
+            tries: list[str] = []
+            for _ in range(2):
+                try:
+                    return seeds, server.chat(seeds)[0], tries
+                except urllib.error.HTTPError as e:
+                    tries.append(f"{e}: {e.read()[:300]!r}")
+                    if e.code != 500:
+                        break
+                except (urllib.error.URLError, OSError) as e:
+                    tries.append(str(e))
+                    break
+            return seeds, RuntimeError("; ".join(tries)), tries
+
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(LOAD_CLIENTS) as pool:
+            result["loaded"] = list(pool.map(ask, load_requests()))
+        result["load_s"] = time.monotonic() - started
+        result["retried"] = sum(1 for _, a, tries in result["loaded"]
+                                if tries and not isinstance(a, Exception))
+        result["loaded"] = [(seeds, a) for seeds, a, _ in result["loaded"]]
+        result["retryable"] = len(server.lines("returning a retryable response"))
+        result["running"] = server.proc.poll() is None
+        result["hits"] = result["queries"] = None
+        if result["running"]:
+            result["hits"] = server.metric("vllm:mm_cache_hits_total")
+            result["queries"] = server.metric("vllm:mm_cache_queries_total")
+        found = stores(shm_dir)
+        if use and len(found) == 1:
+            result["stats"] = shmstore.Store.open(os.path.join(shm_dir, found[0]),
+                                                  read_only=True).stats()
+    finally:
+        result["exit"] = server.stop()
+        result["stores_after"] = stores(shm_dir)
+        result["log"] = server.tail()
+        server.log.close()
+    return result
+
+
+#: ``shmstore-restarted``: the store's name (the operator's), and the two instances' sizes.
+RESTARTED_NAME, RESTARTED_GB = "mm-cache-restarted", (0.5, 1)
+
+
+def run_restarted(model: str, shm_dir: str) -> dict:
+    """An instance whose store the operator named (``SHMSTORE_VLLM_STORE``) is killed
+    with SIGKILL, and started again with another ``--mm-processor-cache-gb``: the new
+    instance attaches the store it finds, says that its size is not the one asked for,
+    and what the first instance stored is still there (vLLM clears its cache at start,
+    and this must not delete the store's items)."""
+    result: dict = {}
+    first = Server(model, shm_dir, True, ["--mm-processor-cache-gb", str(RESTARTED_GB[0])],
+                   store_name=RESTARTED_NAME)
+    try:
+        first.wait_ready()
+        result["before"] = [first.chat([s])[0] for s in (1, 2)]
+    finally:
+        result["killed_exit"] = first.kill()
+        first.log.close()
+    result["after_kill"] = stores(shm_dir)
+    second = Server(model, shm_dir, True, ["--mm-processor-cache-gb", str(RESTARTED_GB[1])],
+                    store_name=RESTARTED_NAME)
+    try:
+        result["ready_s"] = second.wait_ready()
+        result["after"] = second.chat([1])[0]
+        result["hits"] = second.metric("vllm:mm_cache_hits_total")
+        result["queries"] = second.metric("vllm:mm_cache_queries_total")
+    finally:
+        result["exit"] = second.stop()
+        result["stores_after"] = stores(shm_dir)
+        result["said"] = second.lines("already exists, with")
+        result["log"] = second.tail()
+        second.log.close()
+    return result
+
+
 #: ``shmstore-memory-limit``: the memory limit of the cgroup vLLM runs in, and the store
 #: it asks for (``--mm-processor-cache-gb``), in GiB. The limit leaves vLLM itself (a tiny
 #: model on the CPU, 1 GiB of KV cache) several GiB.
@@ -362,9 +481,10 @@ def run_memory_limited(model: str, shm_dir: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
-    ap.add_argument("--only", default="vllm,vllm-dp-2,shmstore,shmstore-killed,shmstore-dp-2,"
-                    "shmstore-memory-limit",
-                    help="configurations, comma-separated, in order (also: shmstore-2-api); "
+    ap.add_argument("--only", default="vllm,vllm-dp-2,shmstore,shmstore-small,shmstore-restarted,"
+                    "shmstore-killed,shmstore-dp-2,shmstore-memory-limit",
+                    help="configurations, comma-separated, in order (also: shmstore-2-api, "
+                    "vllm-small); "
                     "shmstore-killed is SIGKILLed and the next one must remove its store")
     ap.add_argument("--verbose", action="store_true", help="print the plugin's log lines")
     ap.add_argument("--scale", type=int, default=1,
@@ -403,6 +523,87 @@ def main() -> int:
                 check(r["oom_kills"] == 0, f"the kernel killed nothing ({r['oom_kills']} OOM kills)")
                 check(r["stores_after"] == [], f"nothing is left in the store directory "
                       f"({r['stores_after']})")
+                if args.verbose or failures:
+                    print(r["log"])
+                if failures:
+                    break
+                continue
+            if config == "shmstore-restarted":
+                r = run_restarted(os.path.abspath(args.model), shm_dir)
+                print(f"{config}: SIGKILLed with its store named {RESTARTED_NAME} "
+                      f"({RESTARTED_GB[0]:g} GiB), started again asking for "
+                      f"{RESTARTED_GB[1]:g} GiB, ready in {r['ready_s']:.1f} s; vLLM counts "
+                      f"{r['hits'] or 0:.0f} hits of {r['queries'] or 0:.0f} items")
+                check(r["after_kill"] == [RESTARTED_NAME],
+                      f"the store the operator named outlives the killed instance "
+                      f"({r['after_kill']})")
+                said = (len(r["said"]) == 1 and f"--mm-processor-cache-gb={RESTARTED_GB[1]:g}"
+                        in r["said"][0] and "512.0 MiB" in r["said"][0])
+                check(said, "the new instance says, once, that the store it attached has "
+                      "another size than it asks for" + ("" if said else f" (said: {r['said']})"))
+                d = drift(r["before"][0], r["after"])
+                check(r["hits"] == 1 and r["queries"] == 1 and d is not None and d <= 1e-3,
+                      "an image the killed instance stored is a hit in the new one, with the "
+                      "same answer (vLLM's cache clear at start left it)")
+                check(r["exit"] == 0, f"vllm serve exits cleanly on Ctrl-C (status {r['exit']})")
+                check(r["stores_after"] == [],
+                      f"nothing is left in the store directory ({r['stores_after']})")
+                if args.verbose or failures:
+                    print(r["log"])
+                if failures:
+                    break
+                continue
+            if config in ("shmstore-small", "vllm-small"):
+                r = run_under_load(config, os.path.abspath(args.model), shm_dir)
+                st = r.get("stats")
+                print(f"{config}: a {SMALL_CACHE_GB * 1024:.0f} MiB cache; {len(LOAD_SEEDS)} "
+                      f"images sent once each, then {LOAD_REQUESTS} requests from "
+                      f"{LOAD_CLIENTS} clients at once in {r['load_s']:.1f} s; vLLM counts "
+                      f"{r['hits'] or 0:.0f} hits of {r['queries'] or 0:.0f} items"
+                      + ("" if r["running"] else " (vllm serve has exited)")
+                      + (f"; the store took {st['creates']} items, "
+                         f"{st['bytes_created'] / max(1, st['creates']) / (1 << 20):.2f} MiB "
+                         f"each on average, and evicted {st['evictions']} "
+                         f"({st['bytes_evicted'] / (1 << 20):.0f} MiB); no room for "
+                         f"{st['full_events']} (sent inline)" if st else "")
+                      + f"; {r['retried']} sent again after vLLM's retryable miss")
+                failed = [(seeds, str(a)[:700]) for seeds, a in r["loaded"]
+                          if isinstance(a, Exception)]
+                check(not failed and r["running"],
+                      "every request under load gets an answer, and vllm serve runs on"
+                      + (f" ({len(failed)} failed: {failed[:2]})" if failed else ""))
+                check(r["retried"] <= r["retryable"],
+                      f"a request that had to be sent again was one vLLM refused as "
+                      f"retryable ({r['retried']} sent again, {r['retryable']} retryable "
+                      f"misses in vLLM's log)")
+                alone = r["alone"]
+                check(len({repr(a) for a in alone.values()}) == len(alone),
+                      f"the {len(alone)} images give {len(alone)} different answers")
+                wrong: list[list[int]] = []
+                pairs: dict[tuple[int, ...], list] = {}
+                for seeds, a in r["loaded"]:
+                    if isinstance(a, Exception):
+                        continue
+                    if len(seeds) == 1:
+                        d = drift(alone[seeds[0]], a)
+                        if d is None or d > 1e-3:
+                            wrong.append(seeds)
+                    else:
+                        pairs.setdefault(tuple(seeds), []).append(a)
+                for two, got in pairs.items():
+                    drifts = [drift(got[0], a) for a in got]
+                    if any(d is None or d > 1e-3 for d in drifts):
+                        wrong.append(list(two))
+                check(not wrong, "under load each image gets the answer it got alone, and each "
+                      "pair of images the same answer every time"
+                      + (f" (not: {wrong[:5]})" if wrong else ""))
+                check((r["hits"] or 0) > 0, "some requests are hits")
+                if config == "shmstore-small":
+                    check(st is not None and st["evictions"] > 0,
+                          "the store was too small for the images, and evicted")
+                check(r["exit"] == 0, f"vllm serve exits cleanly on Ctrl-C (status {r['exit']})")
+                check(r["stores_after"] == [],
+                      f"nothing is left in the store directory ({r['stores_after']})")
                 if args.verbose or failures:
                     print(r["log"])
                 if failures:
