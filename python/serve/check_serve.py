@@ -8,12 +8,13 @@ multimodal cache and then with shmstore's, checking what an operator would see:
 * with shmstore (``shmstore``), the instance's store holds each image once, vLLM counts
   the hits, ``/metrics`` shows the store, the log names it once, and it is gone after the
   server shuts down (Ctrl-C), with nothing left in its directory;
-* with a store of a few images (``shmstore-small``: 4 MiB) and 16 clients at once, items
-  are evicted all the time, yet every request gets the answer its images got alone, and
-  vLLM runs on (``vllm-small`` runs vLLM's own cache the same way, on request);
+* with a store of a few images (``shmstore-small``: 4 MiB) and 16 clients at once, and
+  vLLM's cache reset four times a second, items are evicted and deleted all the time,
+  yet every request gets the answer its images got alone, and vLLM runs on (``vllm-small`` runs vLLM's own cache the same way, on request);
 * an instance whose store the operator named, SIGKILLed and started again with another
   size (``shmstore-restarted``), attaches the store it finds, says that its size is not
-  the one asked for, and what it stored before is a hit;
+  the one asked for, and what it stored before is a hit; a third instance sharing the
+  store gets hits too, and the store goes with the last of them to exit;
 * an instance with spawned workers (``shmstore-killed``; the others fork them, vLLM's
   default) gives the same answers, and killed with SIGKILL, leaves its store behind; the
   next instance's start removes it. What vLLM itself left in /dev/shm (its message
@@ -53,6 +54,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -342,9 +344,12 @@ def load_requests() -> list[list[int]]:
 def run_under_load(config: str, model: str, shm_dir: str) -> dict:
     """A cache far smaller than what the clients send, under concurrent requests: items
     are evicted while other requests for them are on their way, and puts find the store
-    full. Every request must get its answer, the answer it got alone."""
+    full; meanwhile vLLM's cache is reset (``POST /reset_mm_cache``, a development
+    endpoint) every quarter of a second. Every request must get its answer, the answer
+    it got alone."""
     use = config.startswith("shmstore")
-    server = Server(model, shm_dir, use, ["--mm-processor-cache-gb", str(SMALL_CACHE_GB)])
+    server = Server(model, shm_dir, use, ["--mm-processor-cache-gb", str(SMALL_CACHE_GB)],
+                    extra_env={"VLLM_SERVER_DEV_MODE": "1"})
     result: dict = {"config": config}
     try:
         result["ready_s"] = server.wait_ready()
@@ -369,19 +374,41 @@ def run_under_load(config: str, model: str, shm_dir: str) -> dict:
                     break
             return seeds, RuntimeError("; ".join(tries)), tries
 
+        resets: list[str | None] = []
+        loading = threading.Event()
+
+        def reset() -> None:
+            # Front-end and engine core clear their caches (vLLM warns that requests
+            # are in flight): the items of requests on their way or admitted must stay.
+            while not loading.wait(0.25):
+                try:
+                    http(server.url + "/reset_mm_cache", {})
+                    resets.append(None)
+                except (urllib.error.URLError, OSError) as e:
+                    resets.append(str(e))
+
+        resetter = threading.Thread(target=reset)
         started = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(LOAD_CLIENTS) as pool:
-            result["loaded"] = list(pool.map(ask, load_requests()))
+        resetter.start()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(LOAD_CLIENTS) as pool:
+                result["loaded"] = list(pool.map(ask, load_requests()))
+        finally:
+            loading.set()
+            resetter.join()
         result["load_s"] = time.monotonic() - started
+        result["resets"] = resets
         result["retried"] = sum(1 for _, a, tries in result["loaded"]
                                 if tries and not isinstance(a, Exception))
         result["loaded"] = [(seeds, a) for seeds, a, _ in result["loaded"]]
         result["retryable"] = len(server.lines("returning a retryable response"))
-        result["running"] = server.proc.poll() is None
         result["hits"] = result["queries"] = None
-        if result["running"]:
+        try:
             result["hits"] = server.metric("vllm:mm_cache_hits_total")
             result["queries"] = server.metric("vllm:mm_cache_queries_total")
+            result["running"] = server.proc.poll() is None
+        except (urllib.error.URLError, OSError):
+            result["running"] = False  # exited, or on its way out
         found = stores(shm_dir)
         if use and len(found) == 1:
             result["stats"] = shmstore.Store.open(os.path.join(shm_dir, found[0]),
@@ -403,7 +430,9 @@ def run_restarted(model: str, shm_dir: str) -> dict:
     with SIGKILL, and started again with another ``--mm-processor-cache-gb``: the new
     instance attaches the store it finds, says that its size is not the one asked for,
     and what the first instance stored is still there (vLLM clears its cache at start,
-    and this must not delete the store's items)."""
+    and this must not delete the store's items). A third instance then shares the store
+    with the second (both running): what the first stored is a hit there too; the store
+    stays while one of them uses it, and goes with the last."""
     result: dict = {}
     first = Server(model, shm_dir, True, ["--mm-processor-cache-gb", str(RESTARTED_GB[0])],
                    store_name=RESTARTED_NAME)
@@ -416,17 +445,31 @@ def run_restarted(model: str, shm_dir: str) -> dict:
     result["after_kill"] = stores(shm_dir)
     second = Server(model, shm_dir, True, ["--mm-processor-cache-gb", str(RESTARTED_GB[1])],
                     store_name=RESTARTED_NAME)
+    third = None
     try:
         result["ready_s"] = second.wait_ready()
         result["after"] = second.chat([1])[0]
         result["hits"] = second.metric("vllm:mm_cache_hits_total")
         result["queries"] = second.metric("vllm:mm_cache_queries_total")
+        third = Server(model, shm_dir, True,
+                       ["--mm-processor-cache-gb", str(RESTARTED_GB[0])], store_name=RESTARTED_NAME)
+        third.wait_ready()
+        result["shared"] = third.chat([2])[0]
+        result["shared_hits"] = third.metric("vllm:mm_cache_hits_total")
+        result["shared_queries"] = third.metric("vllm:mm_cache_queries_total")
     finally:
         result["exit"] = second.stop()
-        result["stores_after"] = stores(shm_dir)
+        result["stores_after_one"] = stores(shm_dir)
         result["said"] = second.lines("already exists, with")
+        result["left_to_other"] = second.lines("still in use by another process")
         result["log"] = second.tail()
         second.log.close()
+        if third is not None:
+            result["third_exit"] = third.stop()
+            result["third_said"] = third.lines("already exists, with")
+            result["log"] += third.tail()
+            third.log.close()
+        result["stores_after"] = stores(shm_dir)
     return result
 
 
@@ -533,7 +576,8 @@ def main() -> int:
                 print(f"{config}: SIGKILLed with its store named {RESTARTED_NAME} "
                       f"({RESTARTED_GB[0]:g} GiB), started again asking for "
                       f"{RESTARTED_GB[1]:g} GiB, ready in {r['ready_s']:.1f} s; vLLM counts "
-                      f"{r['hits'] or 0:.0f} hits of {r['queries'] or 0:.0f} items")
+                      f"{r['hits'] or 0:.0f} hits of {r['queries'] or 0:.0f} items; a third "
+                      "instance shares the store")
                 check(r["after_kill"] == [RESTARTED_NAME],
                       f"the store the operator named outlives the killed instance "
                       f"({r['after_kill']})")
@@ -545,9 +589,19 @@ def main() -> int:
                 check(r["hits"] == 1 and r["queries"] == 1 and d is not None and d <= 1e-3,
                       "an image the killed instance stored is a hit in the new one, with the "
                       "same answer (vLLM's cache clear at start left it)")
-                check(r["exit"] == 0, f"vllm serve exits cleanly on Ctrl-C (status {r['exit']})")
+                d = drift(r["before"][1], r["shared"])
+                check(r["shared_hits"] == 1 and r["shared_queries"] == 1 and d is not None
+                      and d <= 1e-3 and not r["third_said"],
+                      "a third instance sharing the store (its size as asked, no warning) gets "
+                      "the killed instance's other image as a hit, with the same answer "
+                      f"(vLLM counts {r['shared_hits'] or 0:.0f} hits of {r['shared_queries'] or 0:.0f})")
+                check(r["exit"] == 0 and r["third_exit"] == 0,
+                      f"both exit cleanly on Ctrl-C (status {r['exit']}, {r['third_exit']})")
+                check(r["stores_after_one"] == [RESTARTED_NAME] and len(r["left_to_other"]) == 1,
+                      "the first of them to exit leaves the store to the other, and says so")
                 check(r["stores_after"] == [],
-                      f"nothing is left in the store directory ({r['stores_after']})")
+                      f"the last removes it: nothing is left in the store directory "
+                      f"({r['stores_after']})")
                 if args.verbose or failures:
                     print(r["log"])
                 if failures:
@@ -572,6 +626,10 @@ def main() -> int:
                 check(not failed and r["running"],
                       "every request under load gets an answer, and vllm serve runs on"
                       + (f" ({len(failed)} failed: {failed[:2]})" if failed else ""))
+                bad_resets = [e for e in r["resets"] if e is not None]
+                check(len(r["resets"]) >= 2 and not bad_resets,
+                      f"vLLM's cache was reset {len(r['resets'])} times meanwhile"
+                      + (f" ({len(bad_resets)} failed: {bad_resets[:2]})" if bad_resets else ""))
                 check(r["retried"] <= r["retryable"],
                       f"a request that had to be sent again was one vLLM refused as "
                       f"retryable ({r['retried']} sent again, {r['retryable']} retryable "
