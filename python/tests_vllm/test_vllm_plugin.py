@@ -281,6 +281,27 @@ def test_a_store_the_operator_named_is_removed_with_its_instance_unless_another_
             os.unlink(f"/dev/shm/{name}")
 
 
+def test_a_cache_size_of_0_is_said_once_by_the_launcher_only(store_env):
+    # With --mm-processor-cache-gb 0 the plugin's "active" line alone would send an
+    # operator looking for a store that is never made.
+    code = """
+        import logging
+        import shmstore.vllm as sv
+        from harness import make_config
+        said = []
+        h = logging.Handler(); h.emit = lambda rec: said.append(rec.getMessage())
+        logging.getLogger("shmstore.vllm").addHandler(h)
+        sv.register()
+        c = make_config(); c.model_config.get_multimodal_config().mm_processor_cache_gb = 0
+        assert not sv.applies(c) and not sv.applies(c)
+        print(sum("--mm-processor-cache-gb 0 turns" in m for m in said))
+        """
+    launcher = run(code, {**store_env, "SHMSTORE_VLLM_LAUNCHER": ""})
+    assert launcher.stdout.split()[-1:] == ["1"], launcher.stderr[-3000:]
+    other = run(code, store_env)  # a process the launcher started
+    assert other.stdout.split()[-1:] == ["0"], other.stderr[-3000:]
+
+
 def test_the_plugins_lines_go_where_vllms_go_in_vllms_format(store_env):
     # vLLM sets up its `vllm` logger only (and late: after plugins load); before the fix,
     # the plugin's INFO lines, the store's name among them, went nowhere in `vllm serve`.

@@ -40,6 +40,12 @@ def mark_launcher() -> bool:
     return True
 
 
+def is_launcher() -> bool:
+    """Whether this process is the instance's launcher (``mark_launcher`` marked it): the
+    one that says what holds for the whole instance, once."""
+    return os.environ.get(_LAUNCHER_ENV) == str(os.getpid())
+
+
 def store_name() -> str:
     """This vLLM instance's store name: ``SHMSTORE_VLLM_STORE``, set by the first process
     that asks (the launcher, when the plugin loads) and inherited by every process it

@@ -17,6 +17,7 @@ import sys
 from . import TESTED_VLLM, enabled, vllm_version
 from .instance import (
     _log_once,
+    is_launcher,
     mark_launcher,
     remove_at_exit,
     remove_stale_stores,
@@ -46,7 +47,13 @@ def applies(vllm_config) -> bool:
     if model_config is None or not model_config.supports_multimodal_inputs:
         return False
     mm_config = model_config.get_multimodal_config()
-    if mm_config.mm_processor_cache_gb <= 0 or mm_config.mm_processor_cache_type not in _TAKES_OVER:
+    if mm_config.mm_processor_cache_gb <= 0:
+        if is_launcher():
+            _log_once("off", "shmstore: --mm-processor-cache-gb 0 turns vLLM's multimodal "
+                      "cache off, and shmstore's with it: items go to the workers inline, "
+                      "no store")
+        return False
+    if mm_config.mm_processor_cache_type not in _TAKES_OVER:
         return False
     if os.environ.get("SHMSTORE_VLLM", "").lower() == "force":
         return True
