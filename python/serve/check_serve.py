@@ -49,6 +49,7 @@ import concurrent.futures
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -121,6 +122,12 @@ class Server:
             env["SHMSTORE_VLLM"] = "1"
         else:
             env.pop("SHMSTORE_VLLM", None)
+        # vLLM's ZMQ sockets between its processes go in a directory of their own:
+        # vLLM leaves them behind even after a clean shutdown (7 per instance here), and
+        # CI runs would pile them up in /tmp. Counted and removed when the server ends.
+        self.rpc_dir = tempfile.mkdtemp(prefix="vllm-rpc-")
+        self.rpc_left = 0
+        env["VLLM_RPC_BASE_PATH"] = self.rpc_dir
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log")
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
@@ -177,6 +184,7 @@ class Server:
     def stop(self, limit: float = 120) -> int:
         """Ctrl-C, as an operator stops it; then the whole group, if it lingers."""
         if self.proc.poll() is not None:
+            self.remove_rpc_dir()
             return self.proc.returncode  # it stopped by itself (a failed start)
         os.killpg(self.proc.pid, signal.SIGINT)
         try:
@@ -191,11 +199,21 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            self.remove_rpc_dir()
 
     def kill(self) -> int:
         """A crash: SIGKILL to every process of the instance at once."""
         os.killpg(self.proc.pid, signal.SIGKILL)
-        return self.proc.wait(60)
+        try:
+            return self.proc.wait(60)
+        finally:
+            self.remove_rpc_dir()
+
+    def remove_rpc_dir(self) -> None:
+        """Counts what vLLM left in its RPC directory (``rpc_left``), and removes it."""
+        if os.path.isdir(self.rpc_dir):
+            self.rpc_left = len(os.listdir(self.rpc_dir))
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def tail(self, n: int = 60) -> str:
         self.log.flush()
@@ -314,6 +332,7 @@ def run(config: str, model: str, shm_dir: str) -> dict:
         result["exit"] = server.kill() if killed else server.stop()
         result["stores_after"] = stores(shm_dir)
         result["dev_shm_left"] = left_in_dev_shm(before, shm_dir)
+        result["rpc_left"] = server.rpc_left
         result["shmstore_lines"] = server.lines("shmstore:")
         result["log"] = server.tail()
         server.log.close()
@@ -503,6 +522,7 @@ def run_memory_limited(model: str, shm_dir: str) -> dict:
         except ProcessLookupError:
             pass
         server.proc.wait()
+        server.remove_rpc_dir()
         result["oom_kills"] = memcg.oom_kills(cg)
         result["said"] = server.lines("the memory limit of this process's cgroup")
         result["stores_after"] = stores(shm_dir)
@@ -684,6 +704,11 @@ def main() -> int:
                       f"{len(r['dev_shm_left'])} files, {mib:.0f} MiB ({held:.1f} MiB in "
                       f"memory): {', '.join(n for n, _, _ in r['dev_shm_left'])}; nothing "
                       "of vLLM's removes them (this check does)")
+            if r["rpc_left"]:
+                print(f"  vLLM's own ZMQ sockets left in its RPC directory (VLLM_RPC_BASE_PATH, "
+                      f"/tmp by default) after "
+                      f"{'SIGKILL' if config == 'shmstore-killed' else 'shutdown'}: "
+                      f"{r['rpc_left']}; nothing of vLLM's removes them (this check does)")
             if args.verbose:
                 print("\n".join(r["shmstore_lines"]))
             answers = r["answers"]
