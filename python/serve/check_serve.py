@@ -563,6 +563,12 @@ def main() -> int:
         if not ok:
             failures.append(what)
 
+    def logged_and_failed(r: dict) -> bool:
+        """Prints the server's log when asked or when a check failed; whether one did."""
+        if args.verbose or failures:
+            print(r["log"])
+        return bool(failures)
+
     # A directory of its own: leftovers are this run's, and no other store is touched.
     distinct = len({s for req in REQUESTS for s in req})
     items = sum(len(req) for req in REQUESTS)
@@ -586,9 +592,7 @@ def main() -> int:
                 check(r["oom_kills"] == 0, f"the kernel killed nothing ({r['oom_kills']} OOM kills)")
                 check(r["stores_after"] == [], f"nothing is left in the store directory "
                       f"({r['stores_after']})")
-                if args.verbose or failures:
-                    print(r["log"])
-                if failures:
+                if logged_and_failed(r):
                     break
                 continue
             if config == "shmstore-restarted":
@@ -622,9 +626,7 @@ def main() -> int:
                 check(r["stores_after"] == [],
                       f"the last removes it: nothing is left in the store directory "
                       f"({r['stores_after']})")
-                if args.verbose or failures:
-                    print(r["log"])
-                if failures:
+                if logged_and_failed(r):
                     break
                 continue
             if config in ("shmstore-small", "vllm-small"):
@@ -682,9 +684,7 @@ def main() -> int:
                 check(r["exit"] == 0, f"vllm serve exits cleanly on Ctrl-C (status {r['exit']})")
                 check(r["stores_after"] == [],
                       f"nothing is left in the store directory ({r['stores_after']})")
-                if args.verbose or failures:
-                    print(r["log"])
-                if failures:
+                if logged_and_failed(r):
                     break
                 continue
             r = run(config, os.path.abspath(args.model), shm_dir)
