@@ -331,6 +331,27 @@ def test_the_plugins_lines_go_where_vllms_go_in_vllms_format(store_env):
     assert all("pid=" in line and " INFO " in line for line in lines), lines
 
 
+def test_a_front_end_attaching_a_store_of_another_size_says_so_once(store_env, caplog):
+    # A store the operator named outlives a crashed instance with its old capacity: the
+    # next instance uses it as it is, and its front-end says so (workers, which attach
+    # read-only, do not repeat it); one of the size asked for gets no word.
+    from shmstore.vllm.instance import open_store, store_path
+
+    small = make_config(cache_mb=16)
+    first = open_store(small)  # the crashed instance's store
+    first.put("warm", b"x")
+    caplog.set_level(logging.INFO, logger="shmstore.vllm")
+    bigger = make_config(cache_mb=64)
+    stores = [open_store(bigger), open_store(bigger), open_store(bigger, read_only=True)]
+    said = [r.getMessage() for r in caplog.records if "already exists" in r.getMessage()]
+    assert len(said) == 1, said
+    assert store_path() in said[0] and "16.0 MiB" in said[0] and "64.0 MiB" in said[0]
+    assert all(s.contains("warm") for s in [first, *stores])
+    caplog.clear()
+    open_store(small)
+    assert not [r for r in caplog.records if "already exists" in r.getMessage()]
+
+
 def test_at_exit_a_store_another_live_process_uses_is_left_to_it(store_env):
     env = {**store_env, "SHMSTORE_VLLM_STORE": "", "SHMSTORE_VLLM_LAUNCHER": "",
            "OUTSIDER": "1", "EXIT_WAIT": "0.3"}
