@@ -271,6 +271,22 @@ def left_in_dev_shm(before: set[str], shm_dir: str) -> list[tuple[str, int, int]
     return left
 
 
+def print_leftovers(r: dict, after: str) -> None:
+    """Prints what vLLM itself left behind (and the check removed): its shared memory in
+    /dev/shm (``dev_shm_left``) and its ZMQ sockets (``rpc_left``)."""
+    if r.get("dev_shm_left"):
+        mib = sum(size for _, size, _ in r["dev_shm_left"]) / (1 << 20)
+        held = sum(used for _, _, used in r["dev_shm_left"]) / (1 << 20)
+        print(f"  vLLM's own shared memory left in /dev/shm after {after}: "
+              f"{len(r['dev_shm_left'])} files, {mib:.0f} MiB ({held:.1f} MiB in "
+              f"memory): {', '.join(n for n, _, _ in r['dev_shm_left'])}; nothing "
+              "of vLLM's removes them (this check does)")
+    if r.get("rpc_left"):
+        print(f"  vLLM's own ZMQ sockets left in its RPC directory (VLLM_RPC_BASE_PATH, /tmp "
+              f"by default) after {after}: {r['rpc_left']}; nothing of vLLM's removes them "
+              "(this check does)")
+
+
 def run(config: str, model: str, shm_dir: str) -> dict:
     use = config.startswith("shmstore")
     killed = config == "shmstore-killed"
@@ -367,6 +383,7 @@ def run_under_load(config: str, model: str, shm_dir: str) -> dict:
     endpoint) every quarter of a second. Every request must get its answer, the answer
     it got alone."""
     use = config.startswith("shmstore")
+    before = set(os.listdir("/dev/shm"))
     server = Server(model, shm_dir, use, ["--mm-processor-cache-gb", str(SMALL_CACHE_GB)],
                     extra_env={"VLLM_SERVER_DEV_MODE": "1"})
     result: dict = {"config": config}
@@ -435,6 +452,8 @@ def run_under_load(config: str, model: str, shm_dir: str) -> dict:
     finally:
         result["exit"] = server.stop()
         result["stores_after"] = stores(shm_dir)
+        result["dev_shm_left"] = left_in_dev_shm(before, shm_dir)
+        result["rpc_left"] = server.rpc_left
         result["log"] = server.tail()
         server.log.close()
     return result
@@ -453,6 +472,7 @@ def run_restarted(model: str, shm_dir: str) -> dict:
     with the second (both running): what the first stored is a hit there too; the store
     stays while one of them uses it, and goes with the last."""
     result: dict = {}
+    before = set(os.listdir("/dev/shm"))
     first = Server(model, shm_dir, True, ["--mm-processor-cache-gb", str(RESTARTED_GB[0])],
                    store_name=RESTARTED_NAME)
     try:
@@ -461,6 +481,9 @@ def run_restarted(model: str, shm_dir: str) -> dict:
     finally:
         result["killed_exit"] = first.kill()
         first.log.close()
+        # What vLLM left (its store's name aside: that stays, on purpose).
+        result["dev_shm_left"] = left_in_dev_shm(before, shm_dir)
+        result["rpc_left"] = first.rpc_left
     result["after_kill"] = stores(shm_dir)
     second = Server(model, shm_dir, True, ["--mm-processor-cache-gb", str(RESTARTED_GB[1])],
                     store_name=RESTARTED_NAME)
@@ -602,6 +625,7 @@ def main() -> int:
                       f"{RESTARTED_GB[1]:g} GiB, ready in {r['ready_s']:.1f} s; vLLM counts "
                       f"{r['hits'] or 0:.0f} hits of {r['queries'] or 0:.0f} items; a third "
                       "instance shares the store")
+                print_leftovers(r, "the first instance's SIGKILL")
                 check(r["after_kill"] == [RESTARTED_NAME],
                       f"the store the operator named outlives the killed instance "
                       f"({r['after_kill']})")
@@ -643,6 +667,7 @@ def main() -> int:
                          f"({st['bytes_evicted'] / (1 << 20):.0f} MiB); no room for "
                          f"{st['full_events']} (sent inline)" if st else "")
                       + f"; {r['retried']} sent again after vLLM's retryable miss")
+                print_leftovers(r, "shutdown")
                 failed = [(seeds, str(a)[:700]) for seeds, a in r["loaded"]
                           if isinstance(a, Exception)]
                 check(not failed and r["running"],
@@ -696,19 +721,7 @@ def main() -> int:
             if "hit_ms" in r:
                 print(f"  first sends {r['send_ms']:.0f} ms, hits {r['hit_ms']:.0f} ms per "
                       "request (means)")
-            if r["dev_shm_left"]:
-                mib = sum(size for _, size, _ in r["dev_shm_left"]) / (1 << 20)
-                held = sum(used for _, _, used in r["dev_shm_left"]) / (1 << 20)
-                print(f"  vLLM's own shared memory left in /dev/shm after "
-                      f"{'SIGKILL' if config == 'shmstore-killed' else 'shutdown'}: "
-                      f"{len(r['dev_shm_left'])} files, {mib:.0f} MiB ({held:.1f} MiB in "
-                      f"memory): {', '.join(n for n, _, _ in r['dev_shm_left'])}; nothing "
-                      "of vLLM's removes them (this check does)")
-            if r["rpc_left"]:
-                print(f"  vLLM's own ZMQ sockets left in its RPC directory (VLLM_RPC_BASE_PATH, "
-                      f"/tmp by default) after "
-                      f"{'SIGKILL' if config == 'shmstore-killed' else 'shutdown'}: "
-                      f"{r['rpc_left']}; nothing of vLLM's removes them (this check does)")
+            print_leftovers(r, "SIGKILL" if config == "shmstore-killed" else "shutdown")
             if args.verbose:
                 print("\n".join(r["shmstore_lines"]))
             answers = r["answers"]
