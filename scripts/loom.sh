@@ -29,6 +29,7 @@ mutations=(
   "pin_acqrel:loom_pin_races_delete_frees_once"
   "evict_pinned:loom_eviction_races_pin"
   "evict_pinned:loom_neighbour_eviction_races_pin"
+  "evict_pinned:loom_delete_unpinned_races_pin"
   "full_without_retry:loom_full_only_when_no_run_is_free"
   "inherit_unlocked:loom_moving_into_a_dead_slot_races_its_recovery"
   "free_relaxed:loom_page_run_hand_off"

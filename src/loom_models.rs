@@ -386,6 +386,18 @@ fn loom_neighbour_eviction_races_pin() {
     });
 }
 
+/// A delete that spares pinned objects (`Store::delete_unpinned`, what the vLLM
+/// front-end's cache clear runs) races a get the same way: it never takes an object
+/// from under a pin that its get reported taken.
+#[test]
+fn loom_delete_unpinned_races_pin() {
+    eviction_races_pin(false, |t, _| {
+        t.delete_unpinned(&ObjectId::of_key("victim"))
+            .unwrap()
+            .is_some()
+    });
+}
+
 /// A search that skipped pages another claimer held for a moment must not report the
 /// store full. C claims all 80 pages word by word; B takes 10 pages in C's second word,
 /// so C rolls back; A, wanting 40, may search while C holds the first word. If A reports

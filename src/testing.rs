@@ -48,6 +48,8 @@ pub enum Op {
     Delete { key: u8 },
     /// `contains(key)`.
     Contains { key: u8 },
+    /// `delete_unpinned(key)`: deletes only if no held view pins it.
+    DeleteUnpinned { key: u8 },
 }
 
 fn id(key: u8) -> ObjectId {
@@ -283,6 +285,32 @@ impl Harness {
                     (r, sealed, creating) => {
                         return Err(format!(
                             "delete gave {r:?} (sealed {sealed}, creating {creating})"
+                        ))
+                    }
+                }
+            }
+            Op::DeleteUnpinned { key } => {
+                let key = key % KEYS;
+                let pinned = self.sealed.get(&key).is_some_and(|(_, inc)| {
+                    self.views
+                        .iter()
+                        .any(|(v, _, i)| v.id() == id(key) && i == inc)
+                });
+                match (
+                    s.delete_unpinned(&id(key)),
+                    self.sealed.contains_key(&key),
+                    self.creating.contains(&key),
+                ) {
+                    (Ok(true), true, _) if !pinned => {
+                        self.sealed.remove(&key);
+                    }
+                    (Ok(false), true, _) if pinned => {}
+                    (Err(Error::NotSealed { .. }), false, true) => {}
+                    (Err(Error::NotFound { .. }), false, false) => {}
+                    (r, sealed, creating) => {
+                        return Err(format!(
+                            "delete_unpinned gave {r:?} (sealed {sealed}, pinned {pinned}, \
+                             creating {creating})"
                         ))
                     }
                 }

@@ -571,6 +571,42 @@ impl Store {
             None => Ok(()),
         }
     }
+
+    /// Deletes a sealed object unless a process holds a view of it (this one included),
+    /// as one atomic step: a [`get`](Self::get) racing it either pins the object first,
+    /// and the object stays, or finds it gone. Returns whether it deleted.
+    ///
+    /// For a cache that clears what it put while other processes read: where
+    /// [`delete`](Self::delete) would take an object from under a reader that found it
+    /// (its view stays readable, but a process that looks the id up again misses), this
+    /// leaves pinned objects in place. It is the CLOCK hand's eviction step, for one id.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let (a, b) = (ObjectId::of_key("a"), ObjectId::of_key("b"));
+    /// store.put(&a, b"read")?;
+    /// store.put(&b, b"idle")?;
+    /// let view = store.try_get(&a)?;
+    /// assert!(!store.delete_unpinned(&a)?); // pinned: kept
+    /// assert!(store.delete_unpinned(&b)?);
+    /// assert!(store.contains(&a) && !store.contains(&b));
+    /// drop(view);
+    /// assert!(store.delete_unpinned(&a)?);
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn delete_unpinned(&self, id: &ObjectId) -> Result<bool> {
+        if self.inner.read_only {
+            return Err(Error::ReadOnly {
+                op: "delete_unpinned",
+            });
+        }
+        match self.inner.actor()?.table().delete_unpinned(id)? {
+            // Freed here (no pin was raised): say so if the entry could not be.
+            Some(e) => e.block(self.inner.sb.heap_size).map(|_| true),
+            None => Ok(false),
+        }
+    }
 }
 
 /// An allocator block handed out by [`Store::raw_alloc`]; benchmarks only.

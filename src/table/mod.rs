@@ -77,6 +77,17 @@ pub(crate) const FREEING: u64 = 6;
 /// leaves room for threads that raise it at the same instant).
 pub(crate) const PIN_LIMIT: u16 = 60_000;
 
+/// What [`Table::retire_unpinned`] did.
+enum Unpinned {
+    /// Deleted; the entry it had.
+    Retired(Entry),
+    /// A pin counter was raised: the object stays.
+    Pinned,
+    /// The slot was no longer SEALED at the generation read, or the step was cancelled
+    /// before it retired the slot: nothing done.
+    Changed,
+}
+
 /// SeqCst, except under the `pin_acqrel` mutation (a deliberate bug for
 /// docs/verification.md: the pin/free handshake with acquire/release only).
 const SC: Ordering = crate::sync::weakened_by("pin_acqrel", Ordering::SeqCst, Ordering::AcqRel);
@@ -922,13 +933,61 @@ impl<'a> Table<'a> {
             s.info.fetch_and(!INFO_REFERENCED, Ordering::Relaxed);
             return Ok(None);
         }
+        Ok(match self.retire_unpinned(i, c) {
+            Unpinned::Retired(entry) => Some(entry),
+            Unpinned::Pinned | Unpinned::Changed => None,
+        })
+    }
+
+    /// Deletes a sealed object unless some client pins it, as one step: the eviction
+    /// protocol of [`evict_step`](Self::evict_step) (SEALED -> EVICTING, read every pin
+    /// counter, -> DELETED), without its policy (referenced bit, never-evict flag). A get
+    /// that pins the object either comes first, and the object stays, or finds it gone;
+    /// a plain [`delete`](Self::delete) takes it from under a pin (whose holder keeps its
+    /// bytes, but no longer finds it by id). Returns the entry of the object deleted, or
+    /// `None` if a pin kept it.
+    pub(crate) fn delete_unpinned(&self, id: &ObjectId) -> Result<Option<Entry>> {
+        let words = id.words();
+        let home = self.home(id);
+        loop {
+            let b = self.buckets[home as usize].load(Ordering::Acquire);
+            let Some((i, c)) = self.find_in(home, b, &words) else {
+                return Err(Error::NotFound { id: *id });
+            };
+            match c.state() {
+                CREATING => return Err(Error::NotSealed { id: *id }),
+                EVICTING => {
+                    // Another hand's step (or a dead one's): cancel it, as a pinner
+                    // does, and look again; that hand's own step then fails.
+                    let _ = self.slots[i].ctl.compare_exchange(
+                        c.0,
+                        Ctl::new(SEALED, None, c.gen()).0,
+                        SC,
+                        Ordering::Relaxed,
+                    );
+                }
+                _ => match self.retire_unpinned(i, c) {
+                    Unpinned::Retired(entry) => return Ok(Some(entry)),
+                    Unpinned::Pinned => return Ok(None),
+                    Unpinned::Changed => {} // sealed again, deleted or reused: look again
+                },
+            }
+        }
+    }
+
+    /// The core of eviction: moves slot `i` from `c` (SEALED) to EVICTING, reads every
+    /// pin counter of its row, and retires it if none is raised (a pinner that meets
+    /// EVICTING cancels the step: then the retire fails).
+    fn retire_unpinned(&self, i: usize, c: Ctl) -> Unpinned {
+        let s = &self.slots[i];
         let entry = self.entry(i);
         let evicting = Ctl::new(EVICTING, None, c.gen());
-        if s.ctl
-            .compare_exchange(c.0, evicting.0, SC, Ordering::Relaxed)
-            .is_err()
+        if c.state() != SEALED
+            || s.ctl
+                .compare_exchange(c.0, evicting.0, SC, Ordering::Relaxed)
+                .is_err()
         {
-            return Ok(None);
+            return Unpinned::Changed;
         }
         dekker_fence();
         let pinned = !crate::sync::mutation("evict_pinned")
@@ -937,9 +996,15 @@ impl<'a> Table<'a> {
             let _ = s
                 .ctl
                 .compare_exchange(evicting.0, c.0, SC, Ordering::Relaxed);
-            return Ok(None);
+            return Unpinned::Pinned;
         }
-        Ok(self.retire(i, c.gen(), &[EVICTING]).0.then_some(entry))
+        if self.retire(i, c.gen(), &[EVICTING]).0 {
+            Unpinned::Retired(entry)
+        } else {
+            // Cancelled meanwhile: by a pinner (the next look finds its counter) or by
+            // another hand that took this step for a dead one's.
+            Unpinned::Changed
+        }
     }
 
     /// Whether slot `i` holds, at generation `gen`, a sealed object that eviction may

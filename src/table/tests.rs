@@ -218,6 +218,50 @@ fn evicting_one_generation_ignores_the_referenced_bit_but_never_a_pin_or_another
 }
 
 #[test]
+fn delete_unpinned_keeps_a_pinned_object_and_takes_an_unpinned_one_whatever_its_flags() {
+    let h = HeapTable::new(32);
+    let t = h.get();
+    let id = ObjectId::of_key("cleared");
+    assert!(matches!(
+        t.delete_unpinned(&id),
+        Err(Error::NotFound { .. })
+    ));
+    let r = t.insert(&id, &e(0)).unwrap();
+    assert!(matches!(
+        t.delete_unpinned(&id),
+        Err(Error::NotSealed { .. })
+    ));
+    t.set_no_evict(r).unwrap(); // never evicted, but an explicit delete still applies
+    t.seal(&id, r).unwrap();
+    let i = r.index as usize;
+    // Pinned by another client, and by this one: kept, sealed, nothing freed.
+    let Pin::Pinned(p, _) = h.as_client(1).pin(&id).unwrap() else {
+        panic!()
+    };
+    assert_eq!(t.delete_unpinned(&id).unwrap(), None);
+    assert_eq!(t.ctl(i).state(), SEALED);
+    h.as_client(1).unpin(p).unwrap();
+    let Pin::Pinned(q, _) = t.pin(&id).unwrap() else {
+        panic!()
+    };
+    assert_eq!(t.delete_unpinned(&id).unwrap(), None);
+    t.unpin(q).unwrap();
+    assert!(h.freed().is_empty());
+    // A step another hand left half done (SEALED -> EVICTING, then died) is cancelled,
+    // not mistaken for a pin.
+    h.slots[i]
+        .ctl
+        .store(Ctl::new(EVICTING, None, r.gen).0, Ordering::SeqCst);
+    assert_eq!(t.delete_unpinned(&id).unwrap(), Some(e(0)));
+    assert!(!t.contains_live(&id));
+    assert_eq!(h.freed(), vec![(r, e(0))]);
+    assert!(matches!(
+        t.delete_unpinned(&id),
+        Err(Error::NotFound { .. })
+    ));
+}
+
+#[test]
 fn orphans_of_a_dead_client_are_returned() {
     let h = HeapTable::new(32);
     let dead = h.as_client(7);
