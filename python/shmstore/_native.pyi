@@ -222,6 +222,9 @@ class Store:
         """Is the object present and sealed?"""
     def delete(self, id: _ObjectIdLike) -> None:
         """Deletes a sealed object (freed when the last view drops)."""
+    def delete_unpinned(self, id: _ObjectIdLike) -> bool:
+        """Deletes a sealed object unless a process holds a view of it (atomically
+        against gets); whether it deleted."""
     def stats(self) -> dict[str, int | bool]:
         """Occupancy and activity figures, read from counters."""
     def largest_free(self) -> int:

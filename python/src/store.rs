@@ -255,6 +255,13 @@ impl PyStore {
         self.s.delete(&object_id(id)?).map_err(err)
     }
 
+    /// Deletes a sealed object unless a process holds a view of it (this one included),
+    /// in one atomic step: a get racing it pins first (kept) or finds it gone. Returns
+    /// whether it deleted; raises ``NotFound``/``NotSealed`` as ``delete`` does.
+    fn delete_unpinned(&self, id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.s.delete_unpinned(&object_id(id)?).map_err(err)
+    }
+
     /// Occupancy and activity figures as a dict, read from counters (cheap at any store
     /// size). `pinned_objects()` counts pinned objects by a table scan.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -235,6 +235,42 @@ def test_another_process_reads_the_same_bytes(store, store_name):
     assert out.stdout.strip() == shmstore.content_id(data).hex()
 
 
+def test_delete_unpinned_leaves_what_another_process_reads(store, store_name):
+    store.put("read", b"r" * 100)
+    store.put("idle", b"i" * 100)
+    reader = spawn_python(
+        """
+        import sys, shmstore
+        s = shmstore.Store.open(sys.argv[1])
+        v = s.get("read", 5.0)
+        print("holding", flush=True)
+        sys.stdin.readline()
+        print(bytes(v[:4]).decode(), flush=True)
+        """,
+        store_name,
+    )
+    try:
+        assert reader.stdout.readline().strip() == "holding"
+        assert store.delete_unpinned("read") is False
+        assert store.delete_unpinned("idle") is True
+        assert store.contains("read") and not store.contains("idle")
+        with pytest.raises(shmstore.NotFound):
+            store.delete_unpinned("idle")
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().strip() == "rrrr"
+    finally:
+        reader.stdin.close()
+        reader.wait(30)
+    # The reader is gone, and its pin with it.
+    assert store.delete_unpinned("read") is True
+    assert store.stats()["objects"] == 0
+    with store.create_object("new", 10) as c:
+        with pytest.raises(shmstore.NotSealed):
+            store.delete_unpinned("new")
+        c.buffer[:] = b"0123456789"
+
+
 def test_a_get_waiting_on_a_killed_creator_raises_creator_died(store, store_name):
     p = spawn_python(
         """
