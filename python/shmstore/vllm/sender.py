@@ -25,7 +25,6 @@ from vllm.multimodal.inputs import MultiModalKwargsItem
 from vllm.utils.cache import CacheInfo
 
 from .. import _native
-from .._native import key_id
 from ..items import put_described
 from .gate import object_address
 from .instance import _capacity, _export_metrics, open_store, store_path
@@ -236,22 +235,21 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         # pins the request's items), one still on its way there (this front-end's window
         # of recent sends, which stays for that reason), or a worker still reads them.
         # Deleting one would fail a request (vLLM warns if requests are in flight).
-        # They stay on the list, for the next clear; evictable once unpinned.
-        mine = {key_id(h): h for h in self._stored}
-        kept: set[str] = set()
-        for oid, _len, state, pins in self.store.list():
-            h = mine.get(bytes(oid))
-            if h is None:
-                continue
-            if state != "sealed" or pins:
-                kept.add(h)
-                continue
+        # ``delete_unpinned`` decides that in one atomic step against the gate's pin: a
+        # request admitted while the clear runs keeps its items (a look at the pins,
+        # then a delete, could take an item pinned in between). Items kept stay on the
+        # list, for the next clear; they are evictable once unpinned. One lookup per
+        # item this front-end stored, whatever else the store holds.
+        kept = []
+        for h in self._stored:
             try:
-                self.store.delete(oid)
+                if not self.store.delete_unpinned(h):
+                    kept.append(h)
+            except _native.NotSealed:
+                kept.append(h)  # being stored again (by another front-end)
             except _native.ShmstoreError:
-                pass  # deleted or evicted meanwhile
-        for h in [h for h in self._stored if h not in kept]:
-            del self._stored[h]
+                pass  # gone already: evicted or deleted meanwhile
+        self._stored = collections.OrderedDict.fromkeys(kept)
         self._hits = self._total = 0
         self._last_info = CacheInfo(hits=0, total=0)
 
