@@ -850,20 +850,24 @@ impl<'a> Table<'a> {
         Ok(())
     }
 
+    /// The slot and `ctl` of `id`'s sealed (or EVICTING) entry: `NotFound` if there is
+    /// none, `NotSealed` while it is being created.
+    fn find_sealed(&self, id: &ObjectId) -> Result<(usize, Ctl)> {
+        let home = self.home(id);
+        let b = self.buckets[home as usize].load(Ordering::Acquire);
+        match self.find_in(home, b, &id.words()) {
+            None => Err(Error::NotFound { id: *id }),
+            Some((_, c)) if c.state() == CREATING => Err(Error::NotSealed { id: *id }),
+            Some(found) => Ok(found),
+        }
+    }
+
     /// Deletes a sealed object: new lookups stop finding it at once; the block is freed by
     /// whoever lowers the last pin counter (here, if none is raised: then its entry is
     /// returned).
     pub(crate) fn delete(&self, id: &ObjectId) -> Result<Option<Entry>> {
-        let words = id.words();
-        let home = self.home(id);
         loop {
-            let b = self.buckets[home as usize].load(Ordering::Acquire);
-            let Some((i, c)) = self.find_in(home, b, &words) else {
-                return Err(Error::NotFound { id: *id });
-            };
-            if c.state() == CREATING {
-                return Err(Error::NotSealed { id: *id });
-            }
+            let (i, c) = self.find_sealed(id)?;
             if let (true, freed) = self.retire(i, c.gen(), &[SEALED, EVICTING]) {
                 return Ok(freed);
             }
@@ -947,15 +951,9 @@ impl<'a> Table<'a> {
     /// bytes, but no longer finds it by id). Returns the entry of the object deleted, or
     /// `None` if a pin kept it.
     pub(crate) fn delete_unpinned(&self, id: &ObjectId) -> Result<Option<Entry>> {
-        let words = id.words();
-        let home = self.home(id);
         loop {
-            let b = self.buckets[home as usize].load(Ordering::Acquire);
-            let Some((i, c)) = self.find_in(home, b, &words) else {
-                return Err(Error::NotFound { id: *id });
-            };
+            let (i, c) = self.find_sealed(id)?;
             match c.state() {
-                CREATING => return Err(Error::NotSealed { id: *id }),
                 EVICTING => {
                     // Another hand's step (or a dead one's): cancel it, as a pinner
                     // does, and look again; that hand's own step then fails.
