@@ -9,7 +9,7 @@
 # on one store (an image one processed is a hit in the other, with the same prompt).
 #
 #   scripts/vllm-serve.sh            install (idempotent; ~6 GB and ~3 minutes the first time)
-#   scripts/vllm-serve.sh check      ... then run both checks (~3-5 minutes)
+#   scripts/vllm-serve.sh check      ... then run both checks (~6-8 minutes on 2 cores, ten vllm serve starts)
 #   scripts/vllm-serve.sh processor  ... only the processor check (~30 s)
 set -euo pipefail
 cd "$(dirname "$0")/.."
