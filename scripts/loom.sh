@@ -3,7 +3,7 @@
 #
 #   scripts/loom.sh               all models, LOOM_MAX_PREEMPTIONS=2 (what CI runs)
 #   scripts/loom.sh 3             the deeper run
-#   scripts/loom.sh --mutations   build each deliberate bug and check that its model fails
+#   scripts/loom.sh --mutations   run each model with its deliberate bug and check that it fails
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export LOOM_MAX_PREEMPTIONS=${LOOM_MAX_PREEMPTIONS:-2}
@@ -36,18 +36,25 @@ mutations=(
   "slab_free_relaxed:loom_slab_block_hand_off"
   "slot_release_relaxed:loom_table_slot_hand_off"
 )
+# One build: under cfg(loom) the mutation is read from the environment when a model runs
+# (crate::sync::mutation), so each mutation is a run of the same test binary.
+RUSTFLAGS="--cfg loom" cargo test --release --lib --no-run >/tmp/loom-mutation-build.log 2>&1 || {
+  cat /tmp/loom-mutation-build.log; exit 1; }
 failed=0
 for m in "${mutations[@]}"; do
   name=${m%%:*}; model=${m#*:}
-  # The mutation is a build-time environment variable (read only under cfg(loom)), so
-  # only shmstore itself is rebuilt for each one.
   if SHMSTORE_MUTATION=$name RUSTFLAGS="--cfg loom" \
       cargo test --release --lib "$model" -- --exact "loom_models::$model" >/tmp/loom-mutation-$name.log 2>&1; then
     echo "MUTATION NOT CAUGHT: $name passed $model (log: /tmp/loom-mutation-$name.log)"
     failed=1
-  else
+  elif grep -q "panicked at" /tmp/loom-mutation-$name.log; then
     why=$(grep -m1 -A1 "panicked at" /tmp/loom-mutation-$name.log | tail -1 | cut -c1-120 || true)
-    echo "caught: $name by $model (${why:-failed})"
+    echo "caught: $name by $model (${why})"
+  else
+    # A failure that is not a model's panic (a build error, a missing model) is not a catch.
+    tail -20 /tmp/loom-mutation-$name.log
+    echo "MUTATION RUN FAILED WITHOUT A MODEL FAILURE: $name ($model)"
+    failed=1
   fi
 done
 exit $failed

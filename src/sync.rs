@@ -134,18 +134,32 @@ impl<T> UnsafeCell<T> {
     }
 }
 
-/// The deliberate bug this build carries, if any: loom builds read it from
-/// `SHMSTORE_MUTATION` at compile time (`scripts/loom.sh --mutations` builds each one and
-/// checks that its model fails; docs/verification.md). Every other build carries none,
-/// whatever the environment says.
+/// The deliberate bug this process carries, if any: loom builds read it from the
+/// `SHMSTORE_MUTATION` environment variable when a model first asks (`scripts/loom.sh
+/// --mutations` runs each model with its mutation and checks that it fails;
+/// docs/verification.md). Every other build carries none, whatever the environment says,
+/// and folds [`mutation`] to `false` at compile time.
 #[cfg(loom)]
-const MUTATION: Option<&str> = option_env!("SHMSTORE_MUTATION");
+fn carried_mutation() -> Option<&'static str> {
+    static MUTATION: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    MUTATION
+        .get_or_init(|| {
+            std::env::var("SHMSTORE_MUTATION")
+                .ok()
+                .filter(|m| !m.is_empty())
+        })
+        .as_deref()
+}
 #[cfg(not(loom))]
-const MUTATION: Option<&str> = None;
+#[inline(always)]
+const fn carried_mutation() -> Option<&'static str> {
+    None
+}
 
-/// `strong`, or `weak` in a build that carries the deliberate bug `name`: how a mutation
-/// weakens an ordering (see [`MUTATION`]).
-pub(crate) const fn weakened_by(name: &str, strong: Ordering, weak: Ordering) -> Ordering {
+/// `strong`, or `weak` in a process that carries the deliberate bug `name`: how a
+/// mutation weakens an ordering (see [`carried_mutation`]).
+#[inline(always)]
+pub(crate) fn weakened_by(name: &str, strong: Ordering, weak: Ordering) -> Ordering {
     if mutation(name) {
         weak
     } else {
@@ -153,21 +167,10 @@ pub(crate) const fn weakened_by(name: &str, strong: Ordering, weak: Ordering) ->
     }
 }
 
-/// Whether this build carries the deliberate bug `name` (see [`MUTATION`]).
-pub(crate) const fn mutation(name: &str) -> bool {
-    let Some(m) = MUTATION else { return false };
-    let (a, b) = (m.as_bytes(), name.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut i = 0;
-    while i < a.len() {
-        if a[i] != b[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
+/// Whether this process carries the deliberate bug `name` (see [`carried_mutation`]).
+#[inline(always)]
+pub(crate) fn mutation(name: &str) -> bool {
+    carried_mutation() == Some(name)
 }
 
 /// Back off inside a CAS retry loop (a pause instruction; a yield under loom).

@@ -48,17 +48,25 @@ pub(crate) const CLASS_SIZES: [u64; CLASSES as usize] = [
 /// slab bit cleared, slab marked partial, reservation dropped): Release, so the next
 /// owner's Acquire claim sees everything the previous owner did with the memory. The
 /// mutations weaken them, for docs/verification.md.
-const PAGE_FREE: Ordering =
-    crate::sync::weakened_by("free_relaxed", Ordering::AcqRel, Ordering::Relaxed);
+#[inline(always)]
+fn page_free() -> Ordering {
+    crate::sync::weakened_by("free_relaxed", Ordering::AcqRel, Ordering::Relaxed)
+}
 /// The ordering of the page summary's second-level RMWs: a claim that fills a summary word
 /// must see, after marking it full, a free that emptied a word of it and cleared the mark
 /// just before (mutation `group_relaxed`, docs/verification.md).
-const GROUP_MARK: Ordering =
-    crate::sync::weakened_by("group_relaxed", Ordering::AcqRel, Ordering::Relaxed);
-const SLAB_FREE: Ordering =
-    crate::sync::weakened_by("slab_free_relaxed", Ordering::AcqRel, Ordering::Relaxed);
-const SLAB_FREE_FAIL: Ordering =
-    crate::sync::weakened_by("slab_free_relaxed", Ordering::Acquire, Ordering::Relaxed);
+#[inline(always)]
+fn group_mark() -> Ordering {
+    crate::sync::weakened_by("group_relaxed", Ordering::AcqRel, Ordering::Relaxed)
+}
+#[inline(always)]
+fn slab_free() -> Ordering {
+    crate::sync::weakened_by("slab_free_relaxed", Ordering::AcqRel, Ordering::Relaxed)
+}
+#[inline(always)]
+fn slab_free_fail() -> Ordering {
+    crate::sync::weakened_by("slab_free_relaxed", Ordering::Acquire, Ordering::Relaxed)
+}
 
 /// Searches before a page-run allocation reports the store full while claims by others
 /// were in flight (see `Allocator::alloc_pages`).

@@ -169,7 +169,7 @@ impl Allocator<'_> {
             // then each see the other's pages, and neither clears the bit.)
             let seen = crate::sync::mutation("summary_stale_read")
                 .then(|| self.pages[w].load(Ordering::Relaxed));
-            let before = self.pages[w].fetch_and(!mask, PAGE_FREE);
+            let before = self.pages[w].fetch_and(!mask, page_free());
             if seen.unwrap_or(before) & !mask == 0 {
                 self.mark_empty(w);
             }
@@ -185,11 +185,11 @@ impl Allocator<'_> {
             // A free may have emptied a word of this group and cleared the group's bit
             // just before we set it: look again after setting it. (Our AcqRel RMW then
             // reads that free's Release clear, so the look sees its word's change.)
-            self.groups[g / 64].fetch_or(1 << (g % 64), GROUP_MARK);
+            self.groups[g / 64].fetch_or(1 << (g % 64), group_mark());
             if self.summary[g].load(Ordering::Relaxed) != u64::MAX
                 && !crate::sync::mutation("group_no_recheck")
             {
-                self.groups[g / 64].fetch_and(!(1 << (g % 64)), GROUP_MARK);
+                self.groups[g / 64].fetch_and(!(1 << (g % 64)), group_mark());
             }
         }
     }
@@ -201,7 +201,7 @@ impl Allocator<'_> {
         let (g, bit) = (w / 64, 1u64 << (w % 64));
         let before = self.summary[g].fetch_and(!bit, Ordering::Relaxed);
         if before == u64::MAX {
-            self.groups[g / 64].fetch_and(!(1 << (g % 64)), GROUP_MARK);
+            self.groups[g / 64].fetch_and(!(1 << (g % 64)), group_mark());
         }
     }
 
@@ -271,7 +271,7 @@ impl Allocator<'_> {
         }
         for (g, word) in self.summary.iter().enumerate() {
             if self.group_full(g) && word.load(Ordering::Relaxed) != u64::MAX {
-                self.groups[g / 64].fetch_and(!(1 << (g % 64)), GROUP_MARK);
+                self.groups[g / 64].fetch_and(!(1 << (g % 64)), group_mark());
                 cleared += 1;
             }
         }

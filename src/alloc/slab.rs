@@ -248,7 +248,7 @@ impl Allocator<'_> {
             }
             match d
                 .state
-                .compare_exchange_weak(st, st - 1, SLAB_FREE, SLAB_FREE_FAIL)
+                .compare_exchange_weak(st, st - 1, slab_free(), slab_free_fail())
             {
                 Ok(_) => break,
                 Err(now) => st = now,
@@ -300,12 +300,12 @@ impl Allocator<'_> {
         }
         let idx = within / size;
         let bit = 1u64 << (idx % 64);
-        let prev = d.bits[(idx / 64) as usize].fetch_and(!bit, SLAB_FREE);
+        let prev = d.bits[(idx / 64) as usize].fetch_and(!bit, slab_free());
         if prev & bit == 0 {
             return Err(corrupted(format!("double free of heap offset {offset}")));
         }
         self.partial_word(class, s)
-            .fetch_or(1u64 << (s % 64), SLAB_FREE);
+            .fetch_or(1u64 << (s % 64), slab_free());
         self.release_reservation(s, class);
         Ok(())
     }

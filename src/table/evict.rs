@@ -14,7 +14,7 @@
 //! `loom_neighbour_eviction_races_pin`, `loom_delete_unpinned_races_pin`.
 
 use super::{corrupted, CREATING, EVICTING, INFO_NO_EVICT, INFO_REFERENCED, SEALED};
-use super::{dekker_fence, Ctl, Entry, SlotRef, Table, SC, SC_LOAD};
+use super::{dekker_fence, sc, sc_load, Ctl, Entry, SlotRef, Table};
 use crate::error::Result;
 use crate::sync::Ordering;
 use crate::ObjectId;
@@ -78,7 +78,7 @@ impl Table<'_> {
             let _ = s.ctl.compare_exchange(
                 c.0,
                 Ctl::new(SEALED, None, c.gen()).0,
-                SC,
+                sc(),
                 Ordering::Relaxed,
             );
             return Ok(None);
@@ -117,7 +117,7 @@ impl Table<'_> {
                     let _ = self.slots[i].ctl.compare_exchange(
                         c.0,
                         Ctl::new(SEALED, None, c.gen()).0,
-                        SC,
+                        sc(),
                         Ordering::Relaxed,
                     );
                 }
@@ -139,18 +139,18 @@ impl Table<'_> {
         let evicting = Ctl::new(EVICTING, None, c.gen());
         if c.state() != SEALED
             || s.ctl
-                .compare_exchange(c.0, evicting.0, SC, Ordering::Relaxed)
+                .compare_exchange(c.0, evicting.0, sc(), Ordering::Relaxed)
                 .is_err()
         {
             return Unpinned::Changed;
         }
         dekker_fence();
         let pinned = !crate::sync::mutation("evict_pinned")
-            && self.row(i).iter().any(|k| k.load(SC_LOAD) != 0);
+            && self.row(i).iter().any(|k| k.load(sc_load()) != 0);
         if pinned {
             let _ = s
                 .ctl
-                .compare_exchange(evicting.0, c.0, SC, Ordering::Relaxed);
+                .compare_exchange(evicting.0, c.0, sc(), Ordering::Relaxed);
             return Unpinned::Pinned;
         }
         if self.retire(i, c.gen(), &[EVICTING]).0 {

@@ -80,9 +80,14 @@ pub(crate) const PIN_LIMIT: u16 = 60_000;
 
 /// SeqCst, except under the `pin_acqrel` mutation (a deliberate bug for
 /// docs/verification.md: the pin/free handshake with acquire/release only).
-const SC: Ordering = crate::sync::weakened_by("pin_acqrel", Ordering::SeqCst, Ordering::AcqRel);
-const SC_LOAD: Ordering =
-    crate::sync::weakened_by("pin_acqrel", Ordering::SeqCst, Ordering::Acquire);
+#[inline(always)]
+fn sc() -> Ordering {
+    crate::sync::weakened_by("pin_acqrel", Ordering::SeqCst, Ordering::AcqRel)
+}
+#[inline(always)]
+fn sc_load() -> Ordering {
+    crate::sync::weakened_by("pin_acqrel", Ordering::SeqCst, Ordering::Acquire)
+}
 
 /// The fence of the Dekker handshake between pinners and freers.
 fn dekker_fence() {
@@ -514,7 +519,7 @@ impl<'a> Table<'a> {
     /// fence orders it before the caller's re-read of `ctl`). At the pin limit the
     /// counter is lowered again and the error returned.
     fn raise(&self, i: usize) -> Result<()> {
-        if self.counter(i, self.me).fetch_add(1, SC) >= PIN_LIMIT {
+        if self.counter(i, self.me).fetch_add(1, sc()) >= PIN_LIMIT {
             self.drop_hold(i);
             return Err(Error::TooManyPins {
                 limit: PIN_LIMIT as u32,
@@ -529,7 +534,7 @@ impl<'a> Table<'a> {
     fn try_hold(&self, i: usize, gen: u32) -> Result<bool> {
         self.raise(i)?;
         let s = &self.slots[i];
-        let mut c = Ctl(s.ctl.load(SC_LOAD));
+        let mut c = Ctl(s.ctl.load(sc_load()));
         loop {
             if c.gen() != gen || !c.sealed() {
                 self.drop_hold(i);
@@ -541,7 +546,7 @@ impl<'a> Table<'a> {
             // EVICTING: our counter is up, so cancel the eviction (the hand re-checks).
             match s
                 .ctl
-                .compare_exchange(c.0, Ctl::new(SEALED, None, gen).0, SC, SC_LOAD)
+                .compare_exchange(c.0, Ctl::new(SEALED, None, gen).0, sc(), sc_load())
             {
                 Ok(_) => return Ok(true),
                 Err(now) => c = Ctl(now),
@@ -553,7 +558,7 @@ impl<'a> Table<'a> {
     /// returns its entry).
     fn drop_hold(&self, i: usize) -> Option<Entry> {
         let k = self.counter(i, self.me);
-        if k.fetch_sub(1, SC) == 1 {
+        if k.fetch_sub(1, sc()) == 1 {
             dekker_fence();
             return self.try_free(i);
         }
@@ -598,7 +603,7 @@ impl<'a> Table<'a> {
     pub(crate) fn add_pin(&self, r: SlotRef) -> Result<()> {
         let i = self.index_checked(r)?;
         let k = self.counter(i, self.me);
-        let old = k.fetch_add(1, SC);
+        let old = k.fetch_add(1, sc());
         if old == 0 || old >= PIN_LIMIT {
             self.drop_hold(i);
             if old == 0 {
@@ -622,7 +627,7 @@ impl<'a> Table<'a> {
         let i = self.index_checked(r)?;
         let s = &self.slots[i];
         self.raise(i)?;
-        let c = Ctl(s.ctl.load(SC_LOAD));
+        let c = Ctl(s.ctl.load(sc_load()));
         if c.gen() == r.gen && c.state() == DELETED {
             self.reclaimer.count(Event::Pinned);
             return Ok(true);
@@ -664,9 +669,9 @@ impl<'a> Table<'a> {
     pub(crate) fn unpin(&self, r: SlotRef) -> Result<()> {
         let i = self.index_checked(r)?;
         let k = self.counter(i, self.me);
-        let old = k.fetch_sub(1, SC);
+        let old = k.fetch_sub(1, sc());
         if old == 0 {
-            k.fetch_add(1, SC);
+            k.fetch_add(1, sc());
             return Err(corrupted(format!("unpin of slot {i} without a pin")));
         }
         self.reclaimer.count(Event::Unpinned);
@@ -682,12 +687,12 @@ impl<'a> Table<'a> {
     /// entry it freed.
     pub(crate) fn try_free(&self, i: usize) -> Option<Entry> {
         let s = self.slots.get(i)?;
-        let c = Ctl(s.ctl.load(SC_LOAD));
+        let c = Ctl(s.ctl.load(sc_load()));
         if c.state() != DELETED {
             return None;
         }
         dekker_fence();
-        if self.row(i).iter().any(|k| k.load(SC_LOAD) != 0) {
+        if self.row(i).iter().any(|k| k.load(sc_load()) != 0) {
             return None;
         }
         self.reclaimer.begin_op();
@@ -696,7 +701,7 @@ impl<'a> Table<'a> {
             .compare_exchange(
                 c.0,
                 Ctl::new(FREEING, Some(self.me), c.gen()).0,
-                SC,
+                sc(),
                 Ordering::Relaxed,
             )
             .is_ok();
@@ -778,15 +783,15 @@ impl<'a> Table<'a> {
         let k = self.counter(i, self.me);
         // A step that changes a count: bracketed, so a death here owes a sweep.
         self.reclaimer.begin_op();
-        k.fetch_add(1, SC);
-        let mut c = Ctl(s.ctl.load(SC_LOAD));
+        k.fetch_add(1, sc());
+        let mut c = Ctl(s.ctl.load(sc_load()));
         let retired = loop {
             if c.gen() != gen || !from.contains(&c.state()) {
                 break false;
             }
             match s
                 .ctl
-                .compare_exchange(c.0, Ctl::new(DELETED, None, gen).0, SC, SC_LOAD)
+                .compare_exchange(c.0, Ctl::new(DELETED, None, gen).0, sc(), sc_load())
             {
                 Ok(_) => break true,
                 Err(now) => c = Ctl(now),
@@ -936,7 +941,7 @@ impl<'a> Table<'a> {
             return None;
         }
         let k = self.counter(i, dead as u16);
-        if k.swap(0, SC) == 0 {
+        if k.swap(0, sc()) == 0 {
             return None;
         }
         dekker_fence();
