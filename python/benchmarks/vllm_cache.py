@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests_vllm"))
 from harness import (  # noqa: E402
+    child_env,
     make_config,
     make_engine_cache,
     send_request,
@@ -101,7 +102,7 @@ def engine_main(kind, config, conn, n_workers, env, method):
     workers = []
     for _ in range(n_workers):
         a, b = ctx.Pipe()
-        p = ctx.Process(target=worker_main, args=(kind, config, b, lock, env))
+        p = ctx.Process(target=worker_main, args=(kind, config, b, lock, child_env(env)))
         p.start()
         assert a.recv()[0] == "ready"
         workers.append((p, a))

@@ -39,8 +39,36 @@ import torch
 # ----- setup in every process ---------------------------------------------------------
 
 
-def setup_process(env: dict[str, str] | None = None) -> None:
-    """What every process of the cluster does first."""
+#: How the tests start worker processes (and second front-ends) unless a test names a
+#: method: from a fork server that imported torch, vLLM's cache modules and shmstore once.
+#: Spawning pays those imports in every process (~8 s of CPU each on a 2-core machine);
+#: forking the test process would copy its stores and threads. vLLM's own two methods,
+#: fork and spawn, have a test of their own (test_forked_and_spawned_workers).
+START_METHOD = "forkserver"
+mp.set_forkserver_preload(
+    ["harness", "vllm.multimodal.cache", "vllm.multimodal.inputs", "vllm.v1.serial_utils",
+     "shmstore.vllm"]
+)
+
+
+def context(method: str = START_METHOD):
+    """The multiprocessing context the tests start processes with."""
+    return mp.get_context(method)
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The whole environment a child process gets: this process's now, plus ``env``. A
+    fork server's children would otherwise see the environment of the moment it started
+    (another test's store name, for one); :func:`setup_process` with ``whole=True``
+    installs it."""
+    return {**os.environ, **(env or {})}
+
+
+def setup_process(env: dict[str, str] | None = None, *, whole: bool = False) -> None:
+    """What every process of the cluster does first: ``env`` added to the environment,
+    or, with ``whole``, made the whole environment (see :func:`child_env`)."""
+    if whole:
+        os.environ.clear()
     if env:
         os.environ.update(env)
     # CPU-only machines: the registry's torch is a CUDA build, so vLLM would pin decoded
@@ -409,7 +437,8 @@ def _cpu_s() -> float:
 
 
 def worker_main(kind: str, config, conn, lock, env: dict[str, str]) -> None:
-    setup_process(env)
+    """A worker: ``env`` is its whole environment (:func:`child_env`)."""
+    setup_process(env, whole=True)
     from vllm.multimodal.cache.base import MultiModalCacheMissError
     from vllm.multimodal.inputs import (
         MultiModalFeatureSpec,
@@ -487,7 +516,7 @@ class Cluster:
         config,
         n_workers: int,
         *,
-        method: str = "spawn",
+        method: str = START_METHOD,
         env: dict[str, str] | None = None,
         sender=None,
         item_scale: float = 1.0,
@@ -500,7 +529,7 @@ class Cluster:
         self.env = dict(env or {})
         self.item_scale = item_scale
         setup_process(self.env)
-        self.ctx = mp.get_context(method)
+        self.ctx = context(method)
         self.lock = self.ctx.Lock()
         self.sender = sender if sender is not None else make_sender(kind, config)
         from vllm.v1.serial_utils import MsgpackEncoder
@@ -521,7 +550,8 @@ class Cluster:
     def _start_worker(self):
         parent, child = self.ctx.Pipe()
         p = self.ctx.Process(
-            target=worker_main, args=(self.kind, self.config, child, self.lock, self.env)
+            target=worker_main,
+            args=(self.kind, self.config, child, self.lock, child_env(self.env)),
         )
         p.start()
         tag, _pid = parent.recv()

@@ -3,18 +3,27 @@ request stream through vLLM's shm cache and through shmstore's, the miss path, t
 front-ends on one store, forked and spawned workers, workers and front-ends killed."""
 
 import gc
-import multiprocessing as mp
 import os
 import signal
 
 import pytest
-from harness import Cluster, expected, make_config, make_item, random_stream, setup_process
+from harness import (
+    START_METHOD,
+    Cluster,
+    child_env,
+    context,
+    expected,
+    make_config,
+    make_item,
+    random_stream,
+    setup_process,
+)
 
 import shmstore
 from shmstore import vllm as sv
 
 
-def run_stream(kind, n_workers, env, *, method="spawn", seed=7, n=50, mrope=False):
+def run_stream(kind, n_workers, env, *, method=START_METHOD, seed=7, n=50, mrope=False):
     config = make_config(cache_mb=24, max_object_mb=8, world_size=n_workers)
     c = Cluster(kind, config, n_workers, method=method, env=env, item_scale=2.0, mrope=mrope)
     try:
@@ -147,7 +156,7 @@ def test_a_front_end_whose_engine_core_cannot_see_its_store_sends_items_inline(s
 
 def _frontend(env, seed, n, conn):
     """A second front-end process (data parallel): its own sender and 2 workers."""
-    setup_process(env)
+    setup_process(env, whole=True)
     c = Cluster("shmstore", make_config(world_size=2, data_parallel=2), 2, env=env)
     ok = True
     try:
@@ -160,10 +169,10 @@ def _frontend(env, seed, n, conn):
 
 
 def test_two_front_ends_with_four_workers_share_one_store_and_the_first_put_wins(store_env):
-    ctx = mp.get_context("spawn")
+    ctx = context()
     parent, child = ctx.Pipe()
     # Both front-ends draw from the same pool of items (same seed), in different orders.
-    other = ctx.Process(target=_frontend, args=(store_env, 3, 40, child))
+    other = ctx.Process(target=_frontend, args=(child_env(store_env), 3, 40, child))
     other.start()
     c = Cluster("shmstore", make_config(world_size=2, data_parallel=2), 2, env=store_env)
     try:
@@ -188,7 +197,7 @@ _SHARED_POOL = [f"s{i}" for i in range(10)] + ["odd1~", "odd2~"]
 def _first_front_end(env, conn):
     """A front-end that processes and stores every item of the pool, then stays
     attached until told to go."""
-    setup_process(env)
+    setup_process(env, whole=True)
     c = Cluster("shmstore", make_config(world_size=2, data_parallel=2), 1, env=env)
     try:
         for i in range(0, len(_SHARED_POOL), 3):
@@ -201,9 +210,9 @@ def _first_front_end(env, conn):
 
 
 def test_a_front_end_serves_items_another_front_end_processed_without_processing_them(store_env):
-    ctx = mp.get_context("spawn")
+    ctx = context()
     parent, child = ctx.Pipe()
-    first = ctx.Process(target=_first_front_end, args=(store_env, child))
+    first = ctx.Process(target=_first_front_end, args=(child_env(store_env), child))
     first.start()
     try:
         assert parent.recv() == {h: 1 for h in _SHARED_POOL}
@@ -249,7 +258,7 @@ def test_a_worker_killed_mid_request_costs_only_its_own_pins(store_env):
 
 def _doomed_frontend(env, conn):
     """A front-end that stops forever in the middle of writing an item."""
-    setup_process(env)
+    setup_process(env, whole=True)
     sender = sv.ShmstoreSenderCache(make_config())
     item = make_item("half-written")
     arrays, meta = sv.encode_item(item)
@@ -263,9 +272,9 @@ def _doomed_frontend(env, conn):
 
 
 def test_a_front_end_killed_mid_put_and_restarted(store_env):
-    ctx = mp.get_context("spawn")
+    ctx = context()
     parent, child = ctx.Pipe()
-    doomed = ctx.Process(target=_doomed_frontend, args=(store_env, child))
+    doomed = ctx.Process(target=_doomed_frontend, args=(child_env(store_env), child))
     doomed.start()
     assert parent.recv() == "writing"
     doomed.kill()
