@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Python package: builds shmstore's bindings and installs them into python/.venv
-# (created if missing, with maturin, numpy, pytest and prometheus_client from PyPI).
+# (created if missing, with maturin, numpy, pytest and prometheus_client from PyPI, installed
+# with uv: scripts/uv.sh).
 #
 #   scripts/python.sh           build + install (release build)
 #   scripts/python.sh test      ... then run the pytest suite (python/tests)
@@ -22,8 +23,8 @@ py=${PYTHON:-python3}
 if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
-"$venv/bin/pip" install -q --disable-pip-version-check "maturin>=1.7,<2" "numpy>=1.24" "pytest>=7" \
-  "prometheus_client>=0.17"
+pip=(scripts/uv.sh pip install -q --python "$venv/bin/python")
+"${pip[@]}" "maturin>=1.7,<2" "numpy>=1.24" "pytest>=7" "prometheus_client>=0.17"
 (cd python && VIRTUAL_ENV=$venv "$venv/bin/maturin" develop --release -q)
 case "${1:-}" in
   "") echo "installed: $venv/bin/python -c 'import shmstore'" ;;
@@ -32,11 +33,11 @@ case "${1:-}" in
   example) shift; "$venv/bin/python" examples/vllm_like.py "$@" ;;
   plot)
     shift
-    "$venv/bin/pip" install -q --disable-pip-version-check "matplotlib>=3.7"
+    "${pip[@]}" "matplotlib>=3.7"
     "$venv/bin/python" scripts/plot.py "$@"
     ;;
   typecheck)
-    "$venv/bin/pip" install -q --disable-pip-version-check "mypy>=1.10"
+    "${pip[@]}" "mypy>=1.10"
     (cd python && "$venv/bin/mypy")
     (cd python && "$venv/bin/python" -m mypy.stubtest shmstore._native)
     ;;

