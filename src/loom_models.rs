@@ -398,6 +398,52 @@ fn loom_delete_unpinned_races_pin() {
     });
 }
 
+/// Children made by `fork()` adopt a view of a deleted object, which their parent's pin
+/// keeps, while the parent drops that view (`View::adopt` against `View::drop`): either a
+/// child's pin keeps the block until that child lets go, or its adoption fails. The block
+/// is freed exactly once, never under a child's pin.
+fn adoptions_race_last_unpin(children: u16) {
+    loom::model(move || {
+        let h = Arc::new(HeapTable::new(32));
+        let id = ObjectId::of_key("inherited");
+        let t = h.get();
+        let r = t.insert(&id, &entry(0)).unwrap();
+        t.seal(&id, r).unwrap();
+        let Pin::Pinned(view, _) = h.as_client(1).pin(&id).unwrap() else {
+            panic!()
+        };
+        t.delete(&id).unwrap();
+        let children: Vec<_> = (2..2 + children)
+            .map(|c| {
+                let h = h.clone();
+                thread::spawn(move || {
+                    let child = h.as_client(c);
+                    if child.repin(view).unwrap() {
+                        assert_eq!(h.read_while_pinned(), 0, "freed under the child's pin");
+                        child.unpin(view).unwrap();
+                    }
+                })
+            })
+            .collect();
+        h.as_client(1).unpin(view).unwrap();
+        for c in children {
+            c.join().unwrap();
+        }
+        assert_eq!(h.freed().len(), 1, "the block must be freed exactly once");
+    });
+}
+
+#[test]
+fn loom_adopt_races_last_unpin_of_deleted_object() {
+    adoptions_race_last_unpin(1);
+}
+
+/// Two children: an adoption's CAS can also lose to the other's (it tries again).
+#[test]
+fn loom_two_adoptions_race_last_unpin_of_deleted_object() {
+    adoptions_race_last_unpin(2);
+}
+
 /// A search that skipped pages another claimer held for a moment must not report the
 /// store full. C claims all 80 pages word by word; B takes 10 pages in C's second word,
 /// so C rolls back; A, wanting 40, may search while C holds the first word. If A reports

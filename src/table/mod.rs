@@ -20,6 +20,7 @@
 //!   CREATING --seal--> SEALED(g) <--cancel-- EVICTING(g) (CLOCK hand, no pins seen)
 //!   CREATING --abort--> DELETED(g)      SEALED/EVICTING --delete/evict--> DELETED(g)
 //!   DELETED --no pin counter left, one CAS--> FREEING(g, owner) --block freed--> FREE(g+1)
+//!   DELETED --a forked child adopts a view (its counter up, one CAS)--> DELETED (tag + 1)
 //! ```
 //!
 //! # Pins are per-client counters, hazard-pointer style
@@ -97,9 +98,13 @@ fn dekker_fence() {
 }
 
 /// `ctl` word helpers: `gen << 32 | owner << 3 | state`, `owner` = client index + 1 in
-/// RESERVED and FREEING, 0 otherwise.
+/// RESERVED and FREEING; in DELETED a tag that adoptions after `fork()` move on
+/// ([`Ctl::retagged`]); 0 otherwise.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct Ctl(pub u64);
+
+/// The 29-bit middle field of a `ctl` word.
+const OWNER_MASK: u64 = (1 << 29) - 1;
 
 impl Ctl {
     pub(crate) fn new(state: u64, owner: Option<u16>, gen: u32) -> Self {
@@ -111,8 +116,15 @@ impl Ctl {
     }
     /// The client in the middle of changing this slot (RESERVED or FREEING).
     pub(crate) fn owner(self) -> Option<u64> {
-        let o = (self.0 >> 3) & ((1 << 29) - 1);
+        let o = (self.0 >> 3) & OWNER_MASK;
         o.checked_sub(1)
+    }
+    /// The same word with the middle field (DELETED's tag) moved on by one, wrapping:
+    /// what an adoption writes so that a freer's CAS on the word it read fails
+    /// ([`Table::repin`]). State and generation are unchanged.
+    pub(crate) fn retagged(self) -> Ctl {
+        let tag = ((self.0 >> 3) + 1) & OWNER_MASK;
+        Ctl(self.0 & !(OWNER_MASK << 3) | tag << 3)
     }
     pub(crate) fn gen(self) -> u32 {
         (self.0 >> 32) as u32
@@ -619,18 +631,37 @@ impl<'a> Table<'a> {
 
     /// Pins slot `r` in our column if its block is still there at its generation: a view
     /// taken over by a forked child, whose parent's pin has kept the block since the view
-    /// was taken. Unlike a fresh pin this also holds a DELETED (draining) slot: raising a
-    /// counter before a freer reads the row keeps the block exactly as a pin does (the
-    /// same handshake), and if the freer read first, the re-read sees FREEING or a new
-    /// generation. `Ok(false)`: the block was freed.
+    /// was taken. Unlike a fresh pin this also holds a DELETED (draining) slot.
+    ///
+    /// On a DELETED slot, raising our counter is not enough by itself: a freer (the
+    /// parent dropping its view at this moment) may have read the row before our counter
+    /// went up and not yet made its `DELETED -> FREEING` CAS, and re-reading DELETED
+    /// cannot tell. So the pin is confirmed by a CAS of our own that changes the word
+    /// (the DELETED tag, [`Ctl::retagged`]): the freer's CAS expects the word it read, so
+    /// of the two CASes exactly one wins. Ours first: the freer fails, and every later
+    /// freer reads the new word and then the row, with our counter up. The freer's
+    /// first: we see FREEING and let go. (loom: `loom_adopt_races_last_unpin_of_deleted_object`;
+    /// re-reading alone freed the block under the child's pin.) `Ok(false)`: the block
+    /// was freed, or is being freed.
     pub(crate) fn repin(&self, r: SlotRef) -> Result<bool> {
         let i = self.index_checked(r)?;
         let s = &self.slots[i];
         self.raise(i)?;
-        let c = Ctl(s.ctl.load(sc_load()));
-        if c.gen() == r.gen && c.state() == DELETED {
-            self.reclaimer.count(Event::Pinned);
-            return Ok(true);
+        let mut c = Ctl(s.ctl.load(sc_load()));
+        while c.gen() == r.gen && c.state() == DELETED {
+            let confirm = if crate::sync::mutation("adopt_by_reread") {
+                Ok(c.0)
+            } else {
+                s.ctl.compare_exchange(c.0, c.retagged().0, sc(), sc_load())
+            };
+            match confirm {
+                Ok(_) => {
+                    self.reclaimer.count(Event::Pinned);
+                    return Ok(true);
+                }
+                // Another adoption retagged it (try again), or a freer won: below.
+                Err(now) => c = Ctl(now),
+            }
         }
         // Readable: as a fresh pin (our counter is up once more; drop the extra one).
         self.drop_hold(i);

@@ -160,6 +160,40 @@ fn pins_of_other_clients_keep_the_block_and_dead_ones_are_dropped() {
 }
 
 #[test]
+fn an_adoption_holds_a_deleted_object_until_it_lets_go_and_fails_once_it_is_freed() {
+    let h = HeapTable::new(32);
+    let (parent, child, late) = (h.as_client(1), h.as_client(2), h.as_client(3));
+    let id = ObjectId::of_key("inherited");
+    let r = parent.insert(&id, &e(0)).unwrap();
+    parent.seal(&id, r).unwrap();
+    let Pin::Pinned(view, _) = parent.pin(&id).unwrap() else {
+        panic!()
+    };
+    parent.delete(&id).unwrap();
+    let deleted = parent.ctl(r.index as usize);
+    assert!(
+        child.repin(view).unwrap(),
+        "the parent's pin keeps the block"
+    );
+    let after = parent.ctl(r.index as usize);
+    assert_eq!(after, deleted.retagged(), "the adoption moved the tag on");
+    assert_eq!((after.state(), after.gen()), (DELETED, r.gen));
+    parent.unpin(view).unwrap();
+    assert!(h.freed().is_empty(), "freed under the child's pin");
+    child.unpin(view).unwrap();
+    assert_eq!(h.freed().len(), 1);
+    assert!(!late.repin(view).unwrap(), "freed: the adoption must fail");
+    assert_eq!(
+        late.pins_of(r.index as usize),
+        0,
+        "a failed adoption leaves no pin"
+    );
+    // The tag wraps inside its field: state and generation never change.
+    let top = Ctl(Ctl::new(DELETED, None, 7).0 | OWNER_MASK << 3);
+    assert_eq!(top.retagged(), Ctl::new(DELETED, None, 7));
+}
+
+#[test]
 fn eviction_skips_pins_and_a_pin_cancels_an_eviction_in_flight() {
     let h = HeapTable::new(32);
     let t = h.get();
