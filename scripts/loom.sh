@@ -36,6 +36,7 @@ mutations=(
   "slab_free_relaxed:loom_slab_block_hand_off"
   "slot_release_relaxed:loom_table_slot_hand_off"
   "adopt_by_reread:loom_adopt_races_last_unpin_of_deleted_object"
+  "adopt_by_reread:loom_draining_get_races_last_unpin_of_deleted_object"
 )
 # One build: under cfg(loom) the mutation is read from the environment when a model runs
 # (crate::sync::mutation), so each mutation is a run of the same test binary.

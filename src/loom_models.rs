@@ -401,8 +401,10 @@ fn loom_delete_unpinned_races_pin() {
 /// Children made by `fork()` adopt a view of a deleted object, which their parent's pin
 /// keeps, while the parent drops that view (`View::adopt` against `View::drop`): either a
 /// child's pin keeps the block until that child lets go, or its adoption fails. The block
-/// is freed exactly once, never under a child's pin.
-fn adoptions_race_last_unpin(children: u16) {
+/// is freed exactly once, never under a child's pin. With `by_id`, the others find the
+/// object by id instead, as draining (`Store::get_draining`, vLLM's workers after an item
+/// was deleted by hand): the same adoption, after a scan of the neighbourhood.
+fn adoptions_race_last_unpin(children: u16, by_id: bool) {
     loom::model(move || {
         let h = Arc::new(HeapTable::new(32));
         let id = ObjectId::of_key("inherited");
@@ -418,9 +420,17 @@ fn adoptions_race_last_unpin(children: u16) {
                 let h = h.clone();
                 thread::spawn(move || {
                     let child = h.as_client(c);
-                    if child.repin(view).unwrap() {
+                    let pinned = if by_id {
+                        child.pin_draining(&id).unwrap().map(|(r, e)| {
+                            assert_eq!((r, e), (view, entry(0)));
+                            r
+                        })
+                    } else {
+                        child.repin(view).unwrap().then_some(view)
+                    };
+                    if let Some(r) = pinned {
                         assert_eq!(h.read_while_pinned(), 0, "freed under the child's pin");
-                        child.unpin(view).unwrap();
+                        child.unpin(r).unwrap();
                     }
                 })
             })
@@ -435,13 +445,18 @@ fn adoptions_race_last_unpin(children: u16) {
 
 #[test]
 fn loom_adopt_races_last_unpin_of_deleted_object() {
-    adoptions_race_last_unpin(1);
+    adoptions_race_last_unpin(1, false);
 }
 
 /// Two children: an adoption's CAS can also lose to the other's (it tries again).
 #[test]
 fn loom_two_adoptions_race_last_unpin_of_deleted_object() {
-    adoptions_race_last_unpin(2);
+    adoptions_race_last_unpin(2, false);
+}
+
+#[test]
+fn loom_draining_get_races_last_unpin_of_deleted_object() {
+    adoptions_race_last_unpin(1, true);
 }
 
 /// A search that skipped pages another claimer held for a moment must not report the

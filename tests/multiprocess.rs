@@ -1,6 +1,7 @@
 //! Multi-process behaviour, with real processes: blocked readers woken by a seal in another
 //! process, exact bytes, delete while pinned, abort, duplicates, timeouts, a full store,
-//! racing producers, and a memfd store shared through /proc.
+//! racing producers, a memfd store shared through /proc, and reads of an object deleted
+//! while another process pins it.
 
 mod common;
 
@@ -31,6 +32,19 @@ fn child_entry() {
         "pin-and-hold" => {
             let v = store.get(&id(&args[1]), Duration::from_secs(30)).unwrap();
             say(format!("pinned {}", v.len()));
+            assert_eq!(hear(), "read");
+            say(blake3::hash(&v).to_hex());
+            assert_eq!(hear(), "drop");
+            drop(v);
+            say("dropped");
+        }
+        // On "get": get_draining(id) (the object may be deleted by then), report the
+        // blake3 of what was read; read it again on "read", drop it on "drop".
+        "get-draining" => {
+            say("attached");
+            assert_eq!(hear(), "get");
+            let v = store.get_draining(&id(&args[1])).unwrap();
+            say(blake3::hash(&v).to_hex());
             assert_eq!(hear(), "read");
             say(blake3::hash(&v).to_hex());
             assert_eq!(hear(), "drop");
@@ -212,6 +226,75 @@ fn delete_while_pinned_by_another_process_keeps_bytes_until_last_unpin() {
     p.finish();
     let st = store.stats();
     assert_eq!((st.draining, st.pins, st.objects), (0, 0, 1), "{st:?}");
+    store.check_invariants().unwrap();
+}
+
+#[test]
+fn a_deleted_object_is_found_draining_in_another_process_while_a_pin_holds_it() {
+    // vLLM's shape: one process (the engine core) pins an object and passes its id to
+    // another (a worker); the object is deleted by hand in between.
+    let (store, _c) = new_store("draining", 16 << 20);
+    let data = bytes(9, 1 << 20);
+    let id = ObjectId::of_content(&data);
+    store.put(&id, &data).unwrap();
+    let held = store.try_get(&id).unwrap();
+    let mut p = child("get-draining", &store, &[id.to_string()]);
+    assert_eq!(p.recv(), "attached");
+    store.delete(&id).unwrap();
+    assert!(matches!(store.try_get(&id), Err(Error::NotFound { .. })));
+    p.send("get");
+    assert_eq!(p.recv(), id.to_string(), "the exact bytes, draining");
+    // The first pin goes; the other process's pin keeps the bytes.
+    drop(held);
+    let other = bytes(10, 1 << 20);
+    store.put(&ObjectId::of_content(&other), &other).unwrap();
+    p.send("read");
+    assert_eq!(p.recv(), id.to_string());
+    assert_eq!(store.stats().draining, 1);
+    p.send("drop");
+    assert_eq!(p.recv(), "dropped");
+    p.finish();
+    // Freed with its last pin: nothing to find now.
+    let st = store.stats();
+    assert_eq!((st.draining, st.pins, st.objects), (0, 0, 1), "{st:?}");
+    assert!(matches!(
+        store.get_draining(&id),
+        Err(Error::NotFound { .. })
+    ));
+    store.check_invariants().unwrap();
+}
+
+#[test]
+fn get_draining_finds_the_live_object_first_and_never_another_id() {
+    let (store, _c) = new_store("draining-ids", 4 << 20);
+    let (a, b) = (ObjectId::of_key("a"), ObjectId::of_key("b"));
+    store.put(&a, b"first").unwrap();
+    store.put(&b, b"other").unwrap();
+    let old = store.try_get(&a).unwrap();
+    store.delete(&a).unwrap();
+    assert_eq!(&*store.get_draining(&a).unwrap(), b"first");
+    assert!(matches!(
+        store.get_draining(&ObjectId::of_key("c")),
+        Err(Error::NotFound { .. })
+    ));
+    // Put again under the same id: the live object comes first.
+    store.put(&a, b"again").unwrap();
+    let again = store.get_draining(&a).unwrap();
+    assert_eq!(&*again, b"again");
+    // Deleted too, while pinned: two draining objects with the id, either may be found.
+    store.delete(&a).unwrap();
+    let found = store.get_draining(&a).unwrap();
+    assert!(&*found == b"first" || &*found == b"again", "{:?}", &*found);
+    drop((found, old));
+    assert_eq!(&*store.get_draining(&a).unwrap(), b"again");
+    drop(again);
+    assert!(matches!(
+        store.get_draining(&a),
+        Err(Error::NotFound { .. })
+    ));
+    assert_eq!(&*store.get_draining(&b).unwrap(), b"other");
+    let st = store.stats();
+    assert_eq!((st.pins, st.draining, st.objects), (0, 0, 1), "{st:?}");
     store.check_invariants().unwrap();
 }
 

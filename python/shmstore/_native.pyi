@@ -218,6 +218,9 @@ class Store:
         (None: forever); pinned while the memoryview or any array made from it lives."""
     def try_get(self, id: _ObjectIdLike) -> memoryview | None:
         """Like ``get``, but never waits: None if absent or not sealed yet."""
+    def get_draining(self, id: _ObjectIdLike) -> memoryview | None:
+        """Like ``try_get``, but also finds an object deleted while a process still pins it
+        (draining); None if there is no such object, live or draining."""
     def contains(self, id: _ObjectIdLike) -> bool:
         """Is the object present and sealed?"""
     def delete(self, id: _ObjectIdLike) -> None:

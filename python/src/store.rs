@@ -245,6 +245,23 @@ impl PyStore {
         }
     }
 
+    /// Like `try_get`, but also finds an object deleted while a process still pins it
+    /// (draining), which lookups by id no longer find: for processes that read what
+    /// another pinned for them (vLLM's workers read what the engine core admitted).
+    /// None if the store holds no such object, live or draining.
+    fn get_draining<'py>(
+        &self,
+        py: Python<'py>,
+        id: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyMemoryView>>> {
+        let id = object_id(id)?;
+        match self.s.get_draining(&id) {
+            Ok(v) => Ok(Some(PyMemoryView::from(PyView::wrap(py, v)?.as_any())?)),
+            Err(shmstore::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(err(e)),
+        }
+    }
+
     /// Is the object present and sealed?
     fn contains(&self, id: &Bound<'_, PyAny>) -> PyResult<bool> {
         Ok(self.s.contains(&object_id(id)?))

@@ -271,6 +271,28 @@ def test_delete_unpinned_leaves_what_another_process_reads(store, store_name):
         c.buffer[:] = b"0123456789"
 
 
+def test_a_deleted_object_is_read_draining_in_another_process_while_it_is_pinned(store, store_name):
+    store.put("frame", b"f" * 100)
+    held = store.get("frame")  # what vLLM's engine core holds for an admitted request
+    store.delete("frame")  # by hand
+    assert store.try_get("frame") is None
+    out = run_python(
+        """
+        import sys, shmstore
+        s = shmstore.Store.open(sys.argv[1])
+        assert s.try_get("frame") is None
+        print(bytes(s.get_draining("frame")[:4]).decode())
+        print(s.get_draining("other"))
+        """,
+        store_name,
+    )
+    assert out.stdout.split("\n")[:2] == ["ffff", "None"]
+    del held
+    gc.collect()
+    assert store.get_draining("frame") is None  # freed with its last pin
+    assert store.stats()["objects"] == 0
+
+
 def test_a_get_waiting_on_a_killed_creator_raises_creator_died(store, store_name):
     p = spawn_python(
         """

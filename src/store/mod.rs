@@ -496,6 +496,47 @@ impl Store {
         }
     }
 
+    /// Like [`try_get`](Self::try_get), but also finds an object that was **deleted while
+    /// a process still pins it** (draining), which lookups by id no longer find. For a
+    /// process that pins objects and hands their ids to others who must not miss them,
+    /// whatever happens to the ids meanwhile: vLLM's engine core pins the items of every
+    /// request it admits, and its workers read them with this, so an item deleted by
+    /// hand in between still reaches them. Objects evicted or deleted with
+    /// [`delete_unpinned`](Self::delete_unpinned) are never draining (nobody pinned them).
+    /// [`Error::NotFound`] if the store holds no such object, live or draining.
+    ///
+    /// ```
+    /// use shmstore::{ObjectId, Store, StoreConfig};
+    /// let store = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20))?;
+    /// let id = ObjectId::of_key("frame");
+    /// store.put(&id, b"pixels")?;
+    /// let held = store.try_get(&id)?; // say, in another process
+    /// store.delete(&id)?;
+    /// assert!(store.try_get(&id).is_err()); // gone by id...
+    /// assert_eq!(&*store.get_draining(&id)?, b"pixels"); // ...not while pinned
+    /// drop(held);
+    /// assert!(store.get_draining(&id).is_err()); // freed with its last pin
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn get_draining(&self, id: &ObjectId) -> Result<View> {
+        let actor = self.inner.actor()?;
+        let table = actor.table();
+        let found = match table.pin_wait(id, None, Duration::ZERO)? {
+            Pin::Pinned(r, e) => Some((r, e)),
+            _ => table.pin_draining(id)?,
+        };
+        match found {
+            Some((r, e)) => {
+                actor.count(Event::GetHit);
+                self.view(id, r, e)
+            }
+            None => {
+                actor.count(Event::GetMissed);
+                Err(Error::NotFound { id: *id })
+            }
+        }
+    }
+
     /// Gets several objects, all within one overall `timeout`.
     ///
     /// ```

@@ -631,7 +631,8 @@ impl<'a> Table<'a> {
 
     /// Pins slot `r` in our column if its block is still there at its generation: a view
     /// taken over by a forked child, whose parent's pin has kept the block since the view
-    /// was taken. Unlike a fresh pin this also holds a DELETED (draining) slot.
+    /// was taken, or a draining object found by id ([`pin_draining`](Self::pin_draining)).
+    /// Unlike a fresh pin this also holds a DELETED (draining) slot.
     ///
     /// On a DELETED slot, raising our counter is not enough by itself: a freer (the
     /// parent dropping its view at this moment) may have read the row before our counter
@@ -670,6 +671,46 @@ impl<'a> Table<'a> {
             self.reclaimer.count(Event::Pinned);
         }
         Ok(held)
+    }
+
+    /// Pins an object `id` that was deleted while a process pins it (DELETED, draining),
+    /// and returns where it is; `None` if there is none. A deleted entry is unlinked from
+    /// its bucket word but stays in its slot, in its home's neighbourhood, until freed:
+    /// this scans the neighbourhood's slots (as `find_in` reads one, seqlock-style) and
+    /// adopts the first DELETED one with the id ([`repin`](Self::repin): a CAS on its
+    /// `ctl` confirms the pin against a racing free). The path of
+    /// [`crate::Store::get_draining`].
+    pub(crate) fn pin_draining(&self, id: &ObjectId) -> Result<Option<(SlotRef, Entry)>> {
+        let home = self.home(id);
+        let words = id.words();
+        for d in 0..NEIGHBORHOOD {
+            let (i, s) = self.slot(home, d);
+            let c1 = Ctl(s.ctl.load(Ordering::Acquire));
+            if c1.state() != DELETED {
+                continue;
+            }
+            let w = self.id_words(i);
+            fence(Ordering::Acquire);
+            let c2 = Ctl(s.ctl.load(Ordering::Relaxed));
+            if c2.gen() != c1.gen() || c2.state() != DELETED || w != words {
+                continue;
+            }
+            let r = SlotRef {
+                index: i as u32,
+                gen: c1.gen(),
+            };
+            if !self.repin(r)? {
+                continue; // freed meanwhile
+            }
+            // Pinned at `r.gen`: the id and the entry stay as they were written before
+            // the seal until the slot is freed, which our pin prevents.
+            if self.id_words(i) != words {
+                self.unpin(r)?;
+                continue;
+            }
+            return Ok(Some((r, self.entry(i))));
+        }
+        Ok(None)
     }
 
     /// Is `id` present, sealed or being created?
