@@ -110,6 +110,29 @@ def test_an_item_deleted_after_it_was_sent_is_processed_again_not_missed(store_e
         c.close()
 
 
+def test_an_item_deleted_by_hand_while_its_request_runs_still_reaches_every_worker(store_env):
+    # The engine core admitted the request (its gate pins the item), then someone deletes
+    # the item from the store by hand (Store.delete, not delete_unpinned) before the
+    # workers read it: a lookup by key misses, and a miss in a worker stops vLLM. The
+    # workers read it as draining (Store.get_draining): the gate's pin keeps its bytes.
+    c = Cluster("shmstore", make_config(world_size=2), 2, env=store_env)
+    try:
+        req, targets = c.send(["deleted"], mode="pause")
+        assert [c.workers[w][1].recv()[0] for w in targets] == ["paused"] * 2
+        c.sender.store.delete("deleted")
+        assert not c.sender.store.contains("deleted")
+        for w in targets:
+            c.workers[w][1].send("go")
+        assert all(d == ("ok", expected(["deleted"])) for d in c.collect(req, targets).values())
+        assert c.gate.pins.objects() == 0, "the request is done: its pin went"
+        # The next request for it: a miss in the engine core's gate (vLLM retries it),
+        # the item is processed again, and every worker gets it.
+        assert c.request(["deleted"])[0] == expected(["deleted"])
+        assert c.retries <= 1 and c.processed["deleted"] == 2
+    finally:
+        c.close()
+
+
 def test_the_engine_core_keeps_a_requests_items_until_every_worker_has_read_them(store_env):
     # A request waits in the engine core (its worker reads it late) while the front-end
     # stores far more than the store holds: the front-end's window of recent sends lets

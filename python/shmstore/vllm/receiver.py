@@ -3,9 +3,10 @@ items as zero-copy torch tensors, and registers the store with CUDA when a GPU i
 
 Invariants: a returned tensor pins its object while it lives; a missing item raises
 vLLM's ``MultiModalCacheMissError``, never a wrong item (the engine core's gate pinned
-every item a worker is asked for, so only an item deleted by hand while its request ran
-can be missing; vLLM treats a worker's miss as a failed step); the items kept for hits
-stay within their byte budget.
+every item a worker is asked for, so none can be missing on the front-end's machine:
+an item deleted by hand while its request runs is read as draining,
+``Store.get_draining``; vLLM treats a worker's miss as a failed step); the items kept
+for hits stay within their byte budget.
 """
 
 from __future__ import annotations
@@ -165,7 +166,21 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
         of pinned items, the copy evicted between fetch and read, or its bridge killed
         mid-fetch), a private copy read from the front-end's node."""
         if self.nodes is None:
-            return _get_torch_item(self.store, mm_hash, self.timeout)
+            try:
+                return _get_torch_item(self.store, mm_hash, self.timeout)
+            except _native.NotFound:
+                # Deleted since the engine core admitted the request (by hand: the
+                # plugin's own deletes spare pinned items), but its gate still pins it.
+                mv = self.store.get_draining(mm_hash)
+                if mv is None:
+                    raise
+                _log_once("read-draining", (
+                    f"shmstore: item {mm_hash} was deleted from {self.store.path} while a "
+                    "request using it ran; this worker read it all the same (the engine "
+                    "core pins it until the request is done). Delete items of a running "
+                    "instance with Store.delete_unpinned, which leaves those in use"),
+                    logging.WARNING)
+                return _torch_item(mv), mv.nbytes
         if mm_hash not in self._past_node:
             try:
                 return _get_torch_item(self.store, mm_hash, self.timeout)
