@@ -50,6 +50,9 @@ pub enum Op {
     Contains { key: u8 },
     /// `delete_unpinned(key)`: deletes only if no held view pins it.
     DeleteUnpinned { key: u8 },
+    /// `get_draining(key)`, keeping the view: the sealed object, or else one deleted
+    /// while a held view pins it.
+    GetDraining { key: u8 },
 }
 
 fn id(key: u8) -> ObjectId {
@@ -311,6 +314,45 @@ impl Harness {
                         return Err(format!(
                             "delete_unpinned gave {r:?} (sealed {sealed}, pinned {pinned}, \
                              creating {creating})"
+                        ))
+                    }
+                }
+            }
+            Op::GetDraining { key } => {
+                let key = key % KEYS;
+                // Deleted incarnations of the key that a held view still pins.
+                let current = self.sealed.get(&key).map(|(_, inc)| *inc);
+                let draining: Vec<(Vec<u8>, u64)> = self
+                    .views
+                    .iter()
+                    .filter(|(v, _, inc)| v.id() == id(key) && Some(*inc) != current)
+                    .map(|(_, want, inc)| (want.clone(), *inc))
+                    .collect();
+                match (s.get_draining(&id(key)), self.sealed.get(&key)) {
+                    (Ok(v), Some((want, inc))) => {
+                        if &v[..] != want.as_slice() {
+                            return Err("get_draining did not give the sealed object".into());
+                        }
+                        let (want, inc) = (want.clone(), *inc);
+                        self.keep_view(v, want, inc);
+                    }
+                    (Ok(v), None) => {
+                        let Some((want, inc)) = draining
+                            .into_iter()
+                            .find(|(want, _)| &v[..] == want.as_slice())
+                        else {
+                            return Err(
+                                "get_draining gave bytes no pinned deleted object has".into()
+                            );
+                        };
+                        self.keep_view(v, want, inc);
+                    }
+                    (Err(Error::NotFound { .. }), None) if draining.is_empty() => {}
+                    (r, sealed) => {
+                        return Err(format!(
+                            "get_draining gave {r:?} (sealed {}, {} draining views)",
+                            sealed.is_some(),
+                            draining.len()
                         ))
                     }
                 }

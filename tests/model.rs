@@ -28,6 +28,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => any::<u8>().prop_map(|view| Op::DropView { view }),
         3 => key.clone().prop_map(|key| Op::Delete { key }),
         2 => key.clone().prop_map(|key| Op::DeleteUnpinned { key }),
+        2 => key.clone().prop_map(|key| Op::GetDraining { key }),
         1 => key.prop_map(|key| Op::Contains { key }),
     ]
 }
