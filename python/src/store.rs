@@ -237,12 +237,7 @@ impl PyStore {
         py: Python<'py>,
         id: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyMemoryView>>> {
-        let id = object_id(id)?;
-        match self.s.try_get(&id) {
-            Ok(v) => Ok(Some(PyMemoryView::from(PyView::wrap(py, v)?.as_any())?)),
-            Err(shmstore::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(err(e)),
-        }
+        view_or_none(py, self.s.try_get(&object_id(id)?))
     }
 
     /// Like `try_get`, but also finds an object deleted while a process still pins it
@@ -254,12 +249,7 @@ impl PyStore {
         py: Python<'py>,
         id: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyMemoryView>>> {
-        let id = object_id(id)?;
-        match self.s.get_draining(&id) {
-            Ok(v) => Ok(Some(PyMemoryView::from(PyView::wrap(py, v)?.as_any())?)),
-            Err(shmstore::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(err(e)),
-        }
+        view_or_none(py, self.s.get_draining(&object_id(id)?))
     }
 
     /// Is the object present and sealed?
@@ -422,5 +412,18 @@ impl PyStore {
         d.set_item("get_ns", get)?;
         d.set_item("contains_ns", contains)?;
         Ok(d)
+    }
+}
+
+/// A found object as a memoryview over its `View`, None for `NotFound`, any other error
+/// raised.
+fn view_or_none(
+    py: Python<'_>,
+    found: shmstore::Result<shmstore::View>,
+) -> PyResult<Option<Bound<'_, PyMemoryView>>> {
+    match found {
+        Ok(v) => Ok(Some(PyMemoryView::from(PyView::wrap(py, v)?.as_any())?)),
+        Err(shmstore::Error::NotFound { .. }) => Ok(None),
+        Err(e) => Err(err(e)),
     }
 }
