@@ -124,6 +124,11 @@ class NodeStores:
     #: workers: a write to a tensor over it faults instead of changing the node's copy).
     #: The node's bridge, which writes fetched items, always attaches read-write.
     read_only: bool = False
+    #: Fetches also find an item deleted at the source while a process there still pins
+    #: it (``Store.get_draining``). vLLM's engine core pins the items of every request it
+    #: admits, so an item deleted by hand meanwhile still reaches workers on other nodes.
+    #: Off by default: a deleted key is then gone for other nodes at once.
+    fetch_draining: bool = False
 
     # -- where things are ------------------------------------------------------------
 
@@ -265,7 +270,7 @@ class NodeStores:
         kept; None where the source lacks the item. For a reader whose node store cannot
         take an item now (full of pinned items: ``FetchFailed``) or lost its copy (the
         node's bridge killed mid-fetch: ``CreatorDied``), and must not fail."""
-        served = self._call(source or self.source(), "serve", list(keys))
+        served = self._call(source or self.source(), "serve", list(keys), self.fetch_draining)
         refs = [s[2][0] for s in served if s is not None and not isinstance(s[2], bytes)]
         fetched = iter(ray.get(refs)) if refs else iter(())
         out: list[memoryview | None] = []
@@ -511,14 +516,18 @@ class _Bridge:
 
     # -- the source side ---------------------------------------------------------------
 
-    def serve(self, keys: Sequence[str | bytes]) -> list[tuple[int, bytes, Any] | None]:
+    def serve(
+        self, keys: Sequence[str | bytes], draining: bool = False
+    ) -> list[tuple[int, bytes, Any] | None]:
         """Each key's ``(length, meta, bytes or [object ref])``, or None where this
-        node's store lacks it. An item of up to ``INLINE_BYTES`` comes in the reply (Ray
-        inlines small replies); a larger one as a ref to a copy in Ray's object store,
-        which Ray moves to whichever node gets it and frees once that node drops it."""
+        node's store lacks it (with ``draining``, an item deleted while a process pins it
+        counts as held: ``NodeStores.fetch_draining``). An item of up to
+        ``INLINE_BYTES`` comes in the reply (Ray inlines small replies); a larger one as a
+        ref to a copy in Ray's object store, which Ray moves to whichever node gets it and
+        frees once that node drops it."""
         out: list[tuple[int, bytes, Any] | None] = []
         for k in keys:
-            v = self.store.try_get(k)
+            v = self.store.get_draining(k) if draining else self.store.try_get(k)
             if v is None:
                 out.append(None)
                 continue
@@ -568,7 +577,8 @@ class _Bridge:
         try:
             todo = [(k, f) for k, f in mine if not self.store.contains(k)]
             if todo:
-                served = self.nodes._call(source, "serve", [k for k, _ in todo])
+                served = self.nodes._call(
+                    source, "serve", [k for k, _ in todo], self.nodes.fetch_draining)
                 for (k, f), s in zip(todo, served):
                     if s is None:
                         f.error = "missing"

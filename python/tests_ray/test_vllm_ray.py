@@ -136,6 +136,31 @@ def test_an_item_the_front_end_lost_is_a_miss_in_the_engine_core_and_the_retry_p
     assert engine.gate.pins.objects() == 0
 
 
+def test_an_item_deleted_by_hand_after_the_engine_core_admitted_it_still_reaches_a_remote_worker(
+    cluster, vllm_env
+):
+    # The gate pins the request's item at the source; then the item is deleted there by
+    # hand (Store.delete) before node2's worker fetches it: the source's bridge serves
+    # it as draining (NodeStores.fetch_draining), where a miss would stop vLLM.
+    from vllm.multimodal.inputs import MultiModalKwargsItem
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    import shmstore.vllm as sv
+
+    config = ray_config()
+    sender = sv.ShmstoreSenderCache(config)
+    engine = sv.engine_cache(config)
+    (w,) = workers(config, vllm_env, ["node2"])
+    entries = send(sender, MsgpackEncoder(), ["late"], {"late"})
+    features = engine_features(MsgpackDecoder(MultiModalKwargsItem), entries)
+    engine.gate.get_and_update_features(features)  # admitted (no prefetch: the gate alone)
+    sender.store.delete("late")
+    assert not sender.store.contains("late")
+    assert ray.get(w.request.remote(entries)) == ("ok", [digest(make_item("late"))])
+    del features  # the request is done
+    assert engine.gate.pins.objects() == 0
+
+
 def test_a_remote_worker_whose_node_lost_its_copy_mid_fetch_reads_the_item_from_the_source(
     cluster, vllm_env
 ):

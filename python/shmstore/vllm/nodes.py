@@ -45,6 +45,9 @@ def _node_stores(vllm_config):
         source_node=os.environ.get("SHMSTORE_VLLM_SOURCE_NODE") or None,
         max_objects=max(1 << 16, capacity >> 16),
         read_only=os.environ.get("SHMSTORE_VLLM_READ_ONLY", "1") != "0",
+        # The engine core's gate pins every admitted request's items at the source: an
+        # item deleted there by hand meanwhile still reaches workers on other nodes.
+        fetch_draining=True,
     )
 
 
