@@ -524,6 +524,11 @@ fn exercise(s: &Store) {
             let _ = v.meta().len();
         }
         let _ = s.get(&id(k), Duration::ZERO);
+        // The neighbourhood scan for deleted entries, and the adoption CAS, on whatever
+        // the scribbles left in the slots.
+        if let Ok(v) = s.get_draining(&id(k)) {
+            let _ = v.iter().fold(0u8, |a, b| a ^ b);
+        }
         let _ = s.put(&id(k + KEYS), &content(3000, k));
         if let Ok(mut c) = s.create_object(&id(k + 2 * KEYS), 100) {
             c.fill(k);
