@@ -37,6 +37,7 @@ mutations=(
   "slot_release_relaxed:loom_table_slot_hand_off"
   "adopt_by_reread:loom_adopt_races_last_unpin_of_deleted_object"
   "adopt_by_reread:loom_draining_get_races_last_unpin_of_deleted_object"
+  "draining_takes_aborted:loom_draining_get_races_abort"
 )
 # One build: under cfg(loom) the mutation is read from the environment when a model runs
 # (crate::sync::mutation), so each mutation is a run of the same test binary.

@@ -459,6 +459,29 @@ fn loom_draining_get_races_last_unpin_of_deleted_object() {
     adoptions_race_last_unpin(1, true);
 }
 
+/// A draining get races the abort of a creation with the same id: the aborted entry is
+/// DELETED too, and held for a moment by the aborter's own counter, but it was never
+/// sealed, so the get must never return it.
+#[test]
+fn loom_draining_get_races_abort() {
+    loom::model(|| {
+        let h = Arc::new(HeapTable::new(32));
+        let id = ObjectId::of_key("aborted");
+        let t = h.get();
+        let r = t.insert(&id, &entry(0)).unwrap();
+        let getter = {
+            let h = h.clone();
+            thread::spawn(move || {
+                let got = h.as_client(1).pin_draining(&id).unwrap();
+                assert!(got.is_none(), "found an object that was never sealed");
+            })
+        };
+        t.abort(&id, r).unwrap();
+        getter.join().unwrap();
+        assert_eq!(h.freed().len(), 1, "the block must be freed exactly once");
+    });
+}
+
 /// A search that skipped pages another claimer held for a moment must not report the
 /// store full. C claims all 80 pages word by word; B takes 10 pages in C's second word,
 /// so C rolls back; A, wanting 40, may search while C holds the first word. If A reports

@@ -20,7 +20,8 @@
 //!   CREATING --seal--> SEALED(g) <--cancel-- EVICTING(g) (CLOCK hand, no pins seen)
 //!   CREATING --abort--> DELETED(g)      SEALED/EVICTING --delete/evict--> DELETED(g)
 //!   DELETED --no pin counter left, one CAS--> FREEING(g, owner) --block freed--> FREE(g+1)
-//!   DELETED --a forked child adopts a view (its counter up, one CAS)--> DELETED (tag + 1)
+//!   DELETED --a child adopts a view, or a draining get (counter up, one CAS)--> DELETED (tag + 1)
+//!   (an abort's DELETED carries a never-sealed flag: draining gets skip it)
 //! ```
 //!
 //! # Pins are per-client counters, hazard-pointer style
@@ -98,13 +99,18 @@ fn dekker_fence() {
 }
 
 /// `ctl` word helpers: `gen << 32 | owner << 3 | state`, `owner` = client index + 1 in
-/// RESERVED and FREEING; in DELETED a tag that adoptions after `fork()` move on
-/// ([`Ctl::retagged`]); 0 otherwise.
+/// RESERVED and FREEING; in DELETED a never-sealed flag (bit 28 of the field: an
+/// aborted creation) and a tag that adoptions move on ([`Ctl::retagged`]); 0 otherwise.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct Ctl(pub u64);
 
 /// The 29-bit middle field of a `ctl` word.
 const OWNER_MASK: u64 = (1 << 29) - 1;
+/// In a DELETED word's middle field: the entry was never sealed (an aborted creation).
+/// Draining lookups skip it ([`Table::pin_draining`]).
+const NEVER_SEALED: u64 = 1 << 28;
+/// The rest of a DELETED word's middle field: the adoption tag.
+const TAG_MASK: u64 = NEVER_SEALED - 1;
 
 impl Ctl {
     pub(crate) fn new(state: u64, owner: Option<u16>, gen: u32) -> Self {
@@ -119,12 +125,26 @@ impl Ctl {
         let o = (self.0 >> 3) & OWNER_MASK;
         o.checked_sub(1)
     }
-    /// The same word with the middle field (DELETED's tag) moved on by one, wrapping:
-    /// what an adoption writes so that a freer's CAS on the word it read fails
-    /// ([`Table::repin`]). State and generation are unchanged.
+    /// The same word with DELETED's tag moved on by one, wrapping: what an adoption
+    /// writes so that a freer's CAS on the word it read fails ([`Table::repin`]). State,
+    /// generation and the never-sealed flag are unchanged.
     pub(crate) fn retagged(self) -> Ctl {
-        let tag = ((self.0 >> 3) + 1) & OWNER_MASK;
-        Ctl(self.0 & !(OWNER_MASK << 3) | tag << 3)
+        let tag = ((self.0 >> 3) + 1) & TAG_MASK;
+        Ctl(self.0 & !(TAG_MASK << 3) | tag << 3)
+    }
+    /// The DELETED word of an entry at `gen`; `sealed`: whether it ever was (a delete or
+    /// an eviction), or not (an abort).
+    fn deleted(gen: u32, sealed: bool) -> Ctl {
+        let c = Ctl::new(DELETED, None, gen);
+        if sealed {
+            c
+        } else {
+            Ctl(c.0 | NEVER_SEALED << 3)
+        }
+    }
+    /// In a DELETED word: the entry was never sealed (an aborted creation).
+    pub(crate) fn never_sealed(self) -> bool {
+        (self.0 >> 3) & NEVER_SEALED != 0
     }
     pub(crate) fn gen(self) -> u32 {
         (self.0 >> 32) as u32
@@ -673,8 +693,8 @@ impl<'a> Table<'a> {
         Ok(held)
     }
 
-    /// Pins an object `id` that was deleted while a process pins it (DELETED, draining),
-    /// and returns where it is; `None` if there is none. A deleted entry is unlinked from
+    /// Pins an object `id` that was deleted while a process pins it (DELETED, draining,
+    /// sealed before), and returns where it is; `None` if there is none. A deleted entry is unlinked from
     /// its bucket word but stays in its slot, in its home's neighbourhood, until freed:
     /// this scans the neighbourhood's slots (as `find_in` reads one, seqlock-style) and
     /// adopts the first DELETED one with the id ([`repin`](Self::repin): a CAS on its
@@ -686,7 +706,10 @@ impl<'a> Table<'a> {
         for d in 0..NEIGHBORHOOD {
             let (i, s) = self.slot(home, d);
             let c1 = Ctl(s.ctl.load(Ordering::Acquire));
-            if c1.state() != DELETED {
+            // An aborted creation is DELETED too (and held for a moment by its aborter's
+            // counter), but it never held an object.
+            let aborted = c1.never_sealed() && !crate::sync::mutation("draining_takes_aborted");
+            if c1.state() != DELETED || aborted {
                 continue;
             }
             let w = self.id_words(i);
@@ -861,10 +884,8 @@ impl<'a> Table<'a> {
             if c.gen() != gen || !from.contains(&c.state()) {
                 break false;
             }
-            match s
-                .ctl
-                .compare_exchange(c.0, Ctl::new(DELETED, None, gen).0, sc(), sc_load())
-            {
+            let deleted = Ctl::deleted(gen, c.state() != CREATING);
+            match s.ctl.compare_exchange(c.0, deleted.0, sc(), sc_load()) {
                 Ok(_) => break true,
                 Err(now) => c = Ctl(now),
             }

@@ -188,9 +188,14 @@ fn an_adoption_holds_a_deleted_object_until_it_lets_go_and_fails_once_it_is_free
         0,
         "a failed adoption leaves no pin"
     );
-    // The tag wraps inside its field: state and generation never change.
-    let top = Ctl(Ctl::new(DELETED, None, 7).0 | OWNER_MASK << 3);
+    // The tag wraps inside its field: state, generation and the never-sealed flag never
+    // change.
+    let top = Ctl(Ctl::new(DELETED, None, 7).0 | TAG_MASK << 3);
     assert_eq!(top.retagged(), Ctl::new(DELETED, None, 7));
+    let aborted = Ctl::deleted(7, false);
+    assert!(aborted.never_sealed() && !Ctl::deleted(7, true).never_sealed());
+    assert!(Ctl(aborted.0 | TAG_MASK << 3).retagged() == aborted);
+    assert_eq!((aborted.state(), aborted.gen()), (DELETED, 7));
 }
 
 #[test]
