@@ -106,11 +106,12 @@ class ShmstoreReceiverCache(BaseMultiModalReceiverCache):
             super().get_and_update_features(present)
         except MultiModalCacheMissError as e:
             logger.error(
-                "shmstore: this worker cannot find items %s in %s, although the engine "
-                "core admitted their request with the items pinned: was the store "
-                "cleared while requests ran (vLLM's reset_mm_cache), or does this worker "
-                "run on a machine other than the front-end's (SHMSTORE_VLLM=force without "
-                "Ray)? vLLM stops on a miss in a worker", e.mm_hashes, self.store.path)
+                "shmstore: this worker cannot find items %s in %s, neither stored nor "
+                "deleted while pinned, although the engine core's gate pins every item "
+                "of a request it admits: does this worker run on a machine other than "
+                "the front-end's (SHMSTORE_VLLM=force without Ray), or did the engine "
+                "core not run shmstore's gate (a vLLM that skips its engine-side cache)? "
+                "vLLM stops on a miss in a worker", e.mm_hashes, self.store.path)
             raise
         return mm_features
 
