@@ -9,8 +9,11 @@
 //! 3. no living worker was ever blocked beyond its timeout (plus scheduling slack);
 //! 4. a new client can still put and get.
 //!
+//! Workers also read objects they pin with `get_draining`, which must find them even after
+//! another worker deleted their id (and with bytes that still hash to it).
+//!
 //! Workers also fork now and then: the child uses the store it inherited (re-reads the
-//! views its parent holds, gets, puts) and ends with `_exit`, leaving its slot to
+//! views its parent holds, finds each of them with `get_draining`, gets, puts) and ends with `_exit`, leaving its slot to
 //! recovery; a child whose parent is killed is killed with it (`PR_SET_PDEATHSIG`).
 //!
 //! Short variant (CI): `cargo test --test chaos` runs 20 s with 8 workers.
@@ -86,6 +89,10 @@ struct Report {
     full: u64,
     /// Children forked (each checked what it inherited and exited 0).
     forks: u64,
+    /// Draining reads of an object this worker pins (`get_draining`), and how many of
+    /// them found it deleted (a lookup by id missed just before).
+    drains: u64,
+    drained_deleted: u64,
     /// Longest time any operation took beyond its own timeout (µs).
     max_stall_us: u64,
     /// Longest operation overall (µs).
@@ -95,7 +102,7 @@ struct Report {
 impl Report {
     fn line(&self) -> String {
         format!(
-            "report {} {} {} {} {} {} {} {} {} {}",
+            "report {} {} {} {} {} {} {} {} {} {} {} {}",
             self.ops,
             self.puts,
             self.gets,
@@ -104,6 +111,8 @@ impl Report {
             self.timeouts,
             self.full,
             self.forks,
+            self.drains,
+            self.drained_deleted,
             self.max_stall_us,
             self.max_op_us
         )
@@ -114,7 +123,7 @@ impl Report {
             .split(' ')
             .filter_map(|x| x.parse().ok())
             .collect();
-        (v.len() == 10).then(|| Report {
+        (v.len() == 12).then(|| Report {
             ops: v[0],
             puts: v[1],
             gets: v[2],
@@ -123,8 +132,10 @@ impl Report {
             timeouts: v[5],
             full: v[6],
             forks: v[7],
-            max_stall_us: v[8],
-            max_op_us: v[9],
+            drains: v[8],
+            drained_deleted: v[9],
+            max_stall_us: v[10],
+            max_op_us: v[11],
         })
     }
 }
@@ -146,6 +157,13 @@ fn forked_child(store: &Store, known: &[ObjectId], held: &[View], rng: &mut Rng)
         }
         if ObjectId::of_content(v) != v.id() {
             return 2;
+        }
+        // The parent, waiting for this child, pins every one of them: found by id, or
+        // draining if its id was deleted since, never freed under the pin.
+        match store.get_draining(&v.id()) {
+            Ok(d) if ObjectId::of_content(&d) == v.id() => {}
+            Ok(_) => return 7,
+            Err(_) => return 8,
         }
     }
     for id in known.iter().take(4) {
@@ -226,6 +244,23 @@ fn worker_entry() {
                     Err(Error::Full { .. }) => rep.full += 1,
                     Err(e) => panic!("create failed: {e}"),
                 }
+            }
+            // A draining read of an object this worker pins: it is found whatever
+            // happened to its id since (deleted by another worker, created again), and
+            // its bytes still hash to its id.
+            4 if !held.is_empty() && rng.below(2) == 0 => {
+                let id = held[rng.below(held.len() as u64) as usize].id();
+                let deleted = store.try_get(&id).is_err();
+                let v = store
+                    .get_draining(&id)
+                    .unwrap_or_else(|e| panic!("a pinned object is not found draining: {e}"));
+                assert_eq!(
+                    ObjectId::of_content(&v),
+                    id,
+                    "draining bytes do not match id"
+                );
+                rep.drains += 1;
+                rep.drained_deleted += u64::from(deleted);
             }
             // get a sealed object, read every byte, check it hashes to its id.
             4..=6 if !known.is_empty() => {
@@ -485,6 +520,8 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
         timeouts: a.timeouts + r.timeouts,
         full: a.full + r.full,
         forks: a.forks + r.forks,
+        drains: a.drains + r.drains,
+        drained_deleted: a.drained_deleted + r.drained_deleted,
         max_stall_us: a.max_stall_us.max(r.max_stall_us),
         max_op_us: a.max_op_us.max(r.max_op_us),
     });
@@ -500,7 +537,7 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
         "chaos: {secs} s, {nworkers} workers, {} ops ({} puts, {} gets, {} deletes), {kills} kills, \
          {} clients recovered, {:.1} MiB reclaimed ({} leaked blocks freed by the sweep), \
          {} gets saw CreatorDied, {} timeouts, \
-         {} full, {} forked children, {} evictions, {sealed} objects verified at the end, longest stall beyond \
+         {} full, {} forked children, {} draining reads ({} of them after a delete), {} evictions, {sealed} objects verified at the end, longest stall beyond \
          timeout {:.1} ms, longest op {:.1} ms",
         total.ops,
         total.puts,
@@ -513,11 +550,17 @@ fn chaos_kills_lose_nothing_and_block_no_one() {
         total.timeouts,
         total.full,
         total.forks,
+        total.drains,
+        total.drained_deleted,
         st.evictions,
         total.max_stall_us as f64 / 1000.0,
         total.max_op_us as f64 / 1000.0,
     );
     assert!(kills > 0 && total.ops > 0 && total.forks > 0);
+    assert!(
+        total.drained_deleted > 0,
+        "no draining read met a deleted object: the scenario was not exercised"
+    );
     assert!(
         st.recovered_clients >= kills,
         "{} < {kills}",
