@@ -167,8 +167,8 @@ pub(super) struct Inner {
     /// pages (`HugePages::Auto`, see [`Inner::collapse_chunk`]): 1 plus the chunks the
     /// kernel failed in a row; 0 otherwise, or once the kernel said it cannot.
     collapse: AtomicU64,
-    /// Process-local: how many heap chunks were offered to the kernel to rebuild, in
-    /// [`Inner::rebuild_order`] (`prefault` finishes from here).
+    /// Process-local: how many heap chunks were offered to the kernel to rebuild, bottom
+    /// up (`prefault` and the background thread go on from here).
     collapse_from: AtomicU64,
     /// The fork generation of the process that rebuilds (a forked child does not).
     collapse_generation: AtomicU64,
@@ -214,7 +214,7 @@ const RETRY_PAUSES: [Duration; 3] = [
 /// Heap bytes the creator populates before `create` returns (the rest in background):
 /// room for a 64 MiB object with its header, which spills one page past 64 MiB (without
 /// the extra chunk, a first 64 MiB put zeroed that chunk's 2 MiB itself).
-const FIRST_POPULATED: u64 = (64 << 20) + POPULATE_CHUNK;
+pub(super) const FIRST_POPULATED: u64 = (64 << 20) + POPULATE_CHUNK;
 
 /// Waits `pause`, or less when `stop` says so: `false` if it stopped. Looks every
 /// [`STOP_POLL`]: the pauses before collapse retries last up to a second, and dropping
@@ -609,21 +609,35 @@ impl Inner {
 
     /// Populates the whole heap, chunk by chunk, on a background thread: in the creator
     /// for writing (the kernel zeroes each tmpfs page at its first touch, so this is where
-    /// that happens, once), in [`Inner::rebuild_order`], rebuilding chunks as 2 MiB pages
-    /// where asked to ([`Inner::collapse_chunk`]) and then the metadata; in others for
-    /// reading (mapping only), bottom up. The thread
-    /// holds no reference that keeps the store alive: dropping the store stops it (and
-    /// waits for its current chunk, a few milliseconds).
+    /// that happens, once), bottom up, rebuilding chunks as 2 MiB pages where asked to
+    /// ([`Inner::collapse_chunk`]) and then the metadata; in others for reading (mapping
+    /// only), bottom up. The thread holds no reference that keeps the store alive:
+    /// dropping the store stops it (and waits for its current chunk, a few milliseconds).
     pub(super) fn populate_in_background(self: &Arc<Self>, write: bool) {
         if write {
-            // The creator zeroes the bottom of the heap before returning (where the first
-            // objects go): a put right after create then finds its pages ready instead of
-            // faulting them in while the thread below zeroes the same region (two threads
-            // zeroing shmem pages at once contend in the kernel: 170 ms for a first
-            // 64 MiB put measured that way, against 7 ms warm).
+            // The creator makes the bottom of the heap ready before returning (where the
+            // first objects go): a put right after create then finds its pages ready
+            // instead of faulting them in while the thread below zeroes the same region
+            // (two threads zeroing shmem pages at once contend in the kernel: 170 ms for
+            // a first 64 MiB put measured that way, against 7 ms warm). Rebuilt as 2 MiB
+            // pages where the kernel can, which zeroes them as populating does: a process
+            // that then reads the first objects maps 32 entries per 64 MiB, not 16,384,
+            // and no rebuild copies these pages later under a put.
             let head = FIRST_POPULATED.min(self.sb.heap_size);
+            for i in 0..head / POPULATE_CHUNK {
+                if self.collapse_chunk(i) {
+                    self.claim_chunk(i);
+                }
+            }
             self.populate_chunks(self.heap, head, true);
         }
+        // The creator's thread goes on from the chunks rebuilt above (none where the
+        // kernel rebuilds nothing: then the head's chunks are claimed, and skipped).
+        let first = if write {
+            self.collapse_from.load(Ordering::Relaxed)
+        } else {
+            0
+        };
         let stop = Arc::new(AtomicU64::new(0));
         let this = Arc::as_ptr(self) as usize;
         let flag = Arc::clone(&stop);
@@ -636,10 +650,7 @@ impl Inner {
                 // A read-only attach can only populate for reading.
                 let write = write && !inner.read_only;
                 let heap = inner.sb.heap_size;
-                for i in 0..heap.div_ceil(POPULATE_CHUNK) {
-                    // The creator goes through the chunks in the rebuild's order (the head,
-                    // which it populated already, last); others bottom up.
-                    let c = if write { inner.rebuild_order(i) } else { i };
+                for c in first..heap.div_ceil(POPULATE_CHUNK) {
                     let (off, end) = (c * POPULATE_CHUNK, ((c + 1) * POPULATE_CHUNK).min(heap));
                     // Rebuilding a chunk as one 2 MiB page also populates it (and zeroes
                     // it, the first time): nothing more to do for it then.
@@ -655,7 +666,7 @@ impl Inner {
                         if flag.load(Ordering::Relaxed) != 0 {
                             return;
                         }
-                        if inner.collapse_chunk(i) {
+                        if inner.collapse_chunk(c) {
                             inner.claim_chunk(c);
                             continue;
                         }
@@ -747,25 +758,15 @@ impl Inner {
                 break;
             }
             if self.collapse_chunk(i) {
-                self.claim_chunk(self.rebuild_order(i));
+                self.claim_chunk(i);
             }
         }
         self.retry_collapses(|| false);
         self.collapse_metadata(|| false);
     }
 
-    /// The `i`-th heap chunk the rebuild visits: the chunks above the head first, bottom
-    /// up, then the head (where a put right after create writes). Rebuilding a chunk makes
-    /// a process touching it wait for the copy, and on a VM whose host backs fresh memory
-    /// lazily one chunk took up to 5 ms: starting with the head, a first 64 MiB put after
-    /// create at 4 and 16 GiB took 1.7-2.1x its warm time.
-    fn rebuild_order(&self, i: u64) -> u64 {
-        let chunks = self.sb.heap_size.div_ceil(POPULATE_CHUNK).max(1);
-        (i + FIRST_POPULATED.div_ceil(POPULATE_CHUNK)) % chunks
-    }
-
-    /// Asks the kernel to rebuild the `i`-th heap chunk in [`Inner::rebuild_order`] (2 MiB,
-    /// on a 2 MiB boundary of the file and of every process's mapping) as one 2 MiB page:
+    /// Asks the kernel to rebuild the `i`-th heap chunk (2 MiB, on a 2 MiB boundary of the
+    /// file and of every process's mapping) as one 2 MiB page:
     /// true if it did. From then on each process maps the chunk with one page-table entry,
     /// at its first touch, instead of 512 (docs/design.md, "Huge pages"). Called by one
     /// thread at a time, for `i` in order (the background thread, or `prefault` after
@@ -774,7 +775,7 @@ impl Inner {
     /// same.
     pub(super) fn collapse_chunk(&self, i: u64) -> bool {
         self.collapse_from.store(i + 1, Ordering::Relaxed);
-        let off = self.rebuild_order(i) * POPULATE_CHUNK;
+        let off = i * POPULATE_CHUNK;
         if off + POPULATE_CHUNK > self.sb.heap_size || !self.may_collapse() {
             return false;
         }

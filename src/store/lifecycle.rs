@@ -561,6 +561,40 @@ mod tests {
         );
     }
 
+    /// The first objects go to the bottom of the heap, and a process that reads them
+    /// right after create (vLLM's workers, the first request) must find them on 2 MiB
+    /// pages: create rebuilds the heap's first 66 MiB itself, before it returns, instead
+    /// of leaving them to the background thread's last step.
+    #[test]
+    fn create_returns_with_the_bottom_of_the_heap_on_2_mib_pages() {
+        let name = format!("rebuild-head-{}", std::process::id());
+        let creator = Store::create(&name, &StoreConfig::with_capacity(256 << 20)).unwrap();
+        let right_after = creator.stats().huge_page_bytes;
+        let id = ObjectId::of_key("first");
+        let pattern: Vec<u8> = (0..(16u32 << 20)).map(|i| (i % 251) as u8).collect();
+        creator.put(&id, &pattern).unwrap();
+        let reader = Store::open_path(creator.path().unwrap()).unwrap();
+        let (rheap, _) = reader.heap_region();
+        let v = reader.get(&id, Duration::ZERO).unwrap();
+        assert!(v[..] == pattern[..]);
+        let pmd_kib = smaps_kib_at(rheap as usize, "ShmemPmdMapped:");
+        drop(v);
+        creator.unlink().unwrap();
+        if let Err(why) = kernel_rebuilds_shmem_pages() {
+            eprintln!("skipped the 2 MiB checks: {why}");
+            return;
+        }
+        assert!(
+            right_after >= super::super::attachment::FIRST_POPULATED,
+            "create returned with {right_after} bytes of the heap on 2 MiB pages"
+        );
+        assert!(
+            pmd_kib >= 14 << 10,
+            "a new attach read a 16 MiB object right after create and mapped {pmd_kib} KiB \
+             of it with 2 MiB entries"
+        );
+    }
+
     #[test]
     fn the_creator_rebuilds_the_object_table_as_2_mib_pages_too() {
         let cfg = StoreConfig {
