@@ -769,8 +769,8 @@ impl Inner {
     /// file and of every process's mapping) as one 2 MiB page:
     /// true if it did. From then on each process maps the chunk with one page-table entry,
     /// at its first touch, instead of 512 (docs/design.md, "Huge pages"). Called by one
-    /// thread at a time, for `i` in order (the background thread, or `prefault` after
-    /// stopping it). A kernel that cannot (`EINVAL`), or that failed [`GIVE_UP_AFTER`]
+    /// thread at a time, for `i` in order (`create` for the head, then the background
+    /// thread, or `prefault` after stopping it). A kernel that cannot (`EINVAL`), or that failed [`GIVE_UP_AFTER`]
     /// chunks in a row, is asked no more: the rest stays on 4 KiB pages, which work the
     /// same.
     pub(super) fn collapse_chunk(&self, i: u64) -> bool {
