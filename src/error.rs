@@ -199,6 +199,16 @@ pub enum Error {
 }
 
 /// `Result` with [`Error`].
+///
+/// ```
+/// fn size_of(store: &shmstore::Store, key: &str) -> shmstore::Result<usize> {
+///     Ok(store.try_get(&shmstore::ObjectId::of_key(key))?.len())
+/// }
+/// # let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+/// # store.put(&shmstore::ObjectId::of_key("k"), b"abc")?;
+/// # assert_eq!(size_of(&store, "k")?, 3);
+/// # Ok::<(), shmstore::Error>(())
+/// ```
 pub type Result<T> = std::result::Result<T, Error>;
 
 fn mib(b: u64) -> String {

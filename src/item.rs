@@ -38,14 +38,46 @@
 use crate::error::{Error, Result};
 
 /// Magic bytes at the start of every item object.
+///
+/// ```
+/// let plan = shmstore::item::plan(&[], &[])?;
+/// assert_eq!(&plan.header[..8], shmstore::item::MAGIC);
+/// # Ok::<(), shmstore::Error>(())
+/// ```
 pub const MAGIC: &[u8; 8] = b"SHMITEM1";
 /// Most arrays in one item.
+///
+/// ```
+/// use shmstore::item::{self, ArraySpec, DType, MAX_ARRAYS};
+/// let one = ArraySpec { name: "x".into(), dtype: DType::UInt8, shape: vec![1] };
+/// assert!(item::plan(&vec![one; MAX_ARRAYS + 1], &[]).is_err());
+/// ```
 pub const MAX_ARRAYS: usize = 4096;
 /// Most metadata entries in one item.
+///
+/// ```
+/// use shmstore::item::{self, MetaValue, MAX_META};
+/// let meta: Vec<_> = (0..=MAX_META).map(|i| (format!("k{i}"), MetaValue::Int(0))).collect();
+/// assert!(item::plan(&[], &meta).is_err());
+/// ```
 pub const MAX_META: usize = 4096;
 /// Most dimensions of one array.
+///
+/// ```
+/// use shmstore::item::{self, ArraySpec, DType, MAX_NDIM};
+/// let deep = ArraySpec { name: "x".into(), dtype: DType::UInt8, shape: vec![1; MAX_NDIM + 1] };
+/// assert!(item::plan(&[deep], &[]).is_err());
+/// ```
 pub const MAX_NDIM: usize = 32;
 /// Alignment of every array's first byte, from the start of the object.
+///
+/// ```
+/// use shmstore::item::{self, ArraySpec, DType, ALIGN};
+/// let a = ArraySpec { name: "a".into(), dtype: DType::UInt8, shape: vec![3] };
+/// let plan = item::plan(&[a.clone(), a], &[])?;
+/// assert!(plan.placements.iter().all(|&(offset, _)| offset % ALIGN == 0));
+/// # Ok::<(), shmstore::Error>(())
+/// ```
 pub const ALIGN: u64 = 64;
 
 /// Element types of the arrays vLLM's multimodal inputs use, and a few more.
@@ -185,6 +217,16 @@ pub enum MetaValue {
 }
 
 /// Where each array goes in an item object, and the header to write first.
+///
+/// ```
+/// use shmstore::item::{self, ArraySpec, DType};
+/// let a = ArraySpec { name: "grid".into(), dtype: DType::Int64, shape: vec![1, 3] };
+/// let plan = item::plan(&[a], &[])?;
+/// let (offset, len) = plan.placements[0];
+/// assert_eq!((offset, len), (plan.header.len() as u64, 24));
+/// assert_eq!(plan.total_len, offset + 64); // the array's bytes, padded to 64
+/// # Ok::<(), shmstore::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
     /// The header bytes (already padded to a multiple of 64).
@@ -196,6 +238,17 @@ pub struct Plan {
 }
 
 /// One decoded array: its spec and where its bytes are in the object.
+///
+/// ```
+/// use shmstore::item::{self, ArraySpec, DType};
+/// let a = ArraySpec { name: "grid".into(), dtype: DType::Int64, shape: vec![1, 3] };
+/// let plan = item::plan(&[a.clone()], &[])?;
+/// let mut object = vec![0u8; plan.total_len as usize];
+/// object[..plan.header.len()].copy_from_slice(&plan.header);
+/// let array = &item::decode(&object)?.arrays[0];
+/// assert_eq!((&array.spec, array.offset, array.nbytes), (&a, plan.placements[0].0, 24));
+/// # Ok::<(), shmstore::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ArrayRef {
     /// Name, dtype, shape.
@@ -207,6 +260,15 @@ pub struct ArrayRef {
 }
 
 /// A decoded item header.
+///
+/// ```
+/// use shmstore::item::{self, MetaValue};
+/// let plan = item::plan(&[], &[("fps".into(), MetaValue::Float(29.97))])?;
+/// let decoded = item::decode(&plan.header)?;
+/// assert!(decoded.arrays.is_empty());
+/// assert_eq!(decoded.meta, [("fps".to_string(), MetaValue::Float(29.97))]);
+/// # Ok::<(), shmstore::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct Decoded {
     /// The arrays, in the order they were planned.

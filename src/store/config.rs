@@ -62,13 +62,23 @@ pub struct StoreConfig {
 
 /// Default spin before a blocking get sleeps: long enough to catch a producer that is
 /// about to seal, short enough to cost little CPU when it is not.
+///
+/// ```
+/// use shmstore::{StoreConfig, DEFAULT_GET_SPIN};
+/// assert_eq!(StoreConfig::default().get_spin, DEFAULT_GET_SPIN);
+/// ```
 pub const DEFAULT_GET_SPIN: Duration = Duration::from_micros(50);
 
 /// Table slots per object of `max_objects`, as a fraction (at least; rounded up to a
 /// power of two).
 const SLOTS_PER_OBJECT: (u64, u64) = (3, 2);
 
-/// How often a get blocked on an unsealed object checks that its creator still runs.
+/// How often a get blocked on an unsealed object checks that its creator still runs: a
+/// creator killed mid-write is noticed within about this long (`Error::CreatorDied`).
+///
+/// ```
+/// assert!(shmstore::CREATOR_CHECK_PERIOD <= std::time::Duration::from_millis(100));
+/// ```
 pub const CREATOR_CHECK_PERIOD: Duration = Duration::from_millis(20);
 
 impl Default for StoreConfig {
