@@ -7,7 +7,8 @@
 //! 2. create and open at 1, 4 and 16 GiB (each skipped, with a message, when /dev/shm
 //!    cannot hold it), beside `posix_fallocate` of a file of the same size in /dev/shm;
 //!    the first 64 MiB put into the new store beside a warm one, the first 64 MiB read
-//!    by a freshly attached process beside its second read, and a 1 MiB allocation with
+//!    by a freshly attached process beside its second read (each timed with nothing of
+//!    the object in the CPU caches, three rounds, medians), and a 1 MiB allocation with
 //!    the heap full below its top beside a copy of the 1 MiB;
 //! 3. page-table memory per attached process with the whole store mapped, with 4 KiB
 //!    pages and (where the kernel has them free) 2 MiB huge pages, beside 8 bytes per page;
@@ -15,7 +16,7 @@
 //!    with a tmpfs mounted `huge=within_size`, both for transparent huge pages.
 
 use crate::child::ids;
-use crate::ipc::{median, percentile, Worker};
+use crate::ipc::{evict_cpu_caches, median, percentile, Worker};
 use crate::report::{ns, ratio, Report};
 use shmstore::{HugePages, ObjectId, Store, StoreConfig};
 use std::os::fd::AsRawFd;
@@ -27,6 +28,8 @@ fn err(e: impl std::fmt::Display) -> String {
 }
 
 const GIB: u64 = 1 << 30;
+/// How many times each create, first put and first read is timed (medians are shown).
+const ROUNDS: usize = 3;
 const MIB: u64 = 1 << 20;
 
 /// Free bytes of the file system holding `dir`.
@@ -306,66 +309,74 @@ fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), Str
             ..StoreConfig::with_capacity(size)
         };
         // On a VM, allocating the same gigabytes takes up to 1.5x longer from one moment
-        // to the next: up to 4 GiB the floor and the store are timed in turns, three
-        // times each, and their medians compared. Each round starts with nothing of the
-        // previous one left (its store dropped, which stops its zeroing thread, and
-        // removed).
-        let rounds = if size <= 4 * GIB { 3 } else { 1 };
-        let (mut floors, mut creates) = (Vec::new(), Vec::new());
+        // to the next, and a 64 MiB copy 6 to 11 ms: the floor and the store are timed in
+        // turns, three times each, and so are the first put, the warm one and a fresh
+        // attach's reads into each new store; each row compares medians. Each round
+        // starts with nothing of the previous one left (its store dropped, which stops
+        // its zeroing thread, and removed).
+        let mut t = [(); 7].map(|_| Vec::with_capacity(ROUNDS));
+        let [floors, creates, first_puts, warm_puts, opens, first_reads, warm_reads] = &mut t;
+        let id = ObjectId::of_key("scale-64m");
         let mut created = None;
-        for _ in 0..rounds {
+        for _ in 0..ROUNDS {
             if let Some(old) = created.take() {
                 drop::<Store>(old);
                 std::fs::remove_file(&path).map_err(err)?;
             }
             floors.push(fallocate_floor(&dir, size)?.as_secs_f64());
             let t = Instant::now();
-            created = Some(Store::create(&name, &cfg).map_err(err)?);
+            let store = Store::create(&name, &cfg).map_err(err)?;
             creates.push(t.elapsed().as_secs_f64());
+            // The first put into the new store (its pages not yet touched), then a warm
+            // one into the same memory, each with nothing of either in the CPU caches
+            // (see `evict_cpu_caches`).
+            evict_cpu_caches();
+            let t = Instant::now();
+            store.put(&id, &object).map_err(err)?;
+            first_puts.push(t.elapsed().as_secs_f64() * 1e3);
+            store.delete(&id).map_err(err)?;
+            evict_cpu_caches();
+            let t = Instant::now();
+            store.put(&id, &object).map_err(err)?;
+            warm_puts.push(t.elapsed().as_secs_f64() * 1e3);
+            let (open_ms, first_read, warm_read) = fresh_attach_reads(&path, &id)?;
+            opens.push(open_ms);
+            first_reads.push(first_read);
+            warm_reads.push(warm_read);
+            created = Some(store);
         }
         let store = created.expect("at least one round");
-        let floor = r.fig(keys[1], median(&mut floors));
-        let create = r.fig(keys[0], median(&mut creates));
-        // The first put into the new store (its pages not yet touched), then a warm one
-        // into the same memory.
-        let id = ObjectId::of_key("scale-64m");
-        let t = Instant::now();
-        store.put(&id, &object).map_err(err)?;
-        let first_put = r.fig(keys[3], t.elapsed().as_secs_f64() * 1e3);
-        store.delete(&id).map_err(err)?;
-        let t = Instant::now();
-        store.put(&id, &object).map_err(err)?;
-        let warm_put = r.fig(keys[4], t.elapsed().as_secs_f64() * 1e3);
-        let (open_ms, first_read, warm_read) = fresh_attach_reads(&path, &id)?;
-        r.fig(keys[2], open_ms);
-        r.fig(keys[5], first_read);
+        let floor = r.fig(keys[1], median(floors));
+        let create = r.fig(keys[0], median(creates));
+        let first_put = r.fig(keys[3], median(first_puts));
+        let warm_put = r.fig(keys[4], median(warm_puts));
+        let open_ms = r.fig(keys[2], median(opens));
+        let first_read = r.fig(keys[5], median(first_reads));
+        let warm_read = median(warm_reads);
         r.row(
             format!("create a {label} store"),
-            format!(
-                "{create:.2} s{}",
-                if rounds > 1 { " (median of 3)" } else { "" }
-            ),
+            format!("{create:.2} s (median of {ROUNDS})"),
             format!("posix_fallocate alone {floor:.2} s, timed in turns with it"),
             ratio(create, floor),
             "<= 1.5x fallocate",
         );
         r.row(
             format!("open it from a new process ({label})"),
-            format!("{open_ms:.2} ms"),
+            format!("{open_ms:.2} ms (median of {ROUNDS})"),
             "-".into(),
             "-".into(),
             "<= 20 ms",
         );
         r.row(
             format!("first 64 MiB put after create ({label})"),
-            format!("{first_put:.1} ms"),
+            format!("{first_put:.1} ms (median of {ROUNDS})"),
             format!("warm put {warm_put:.1} ms"),
             ratio(first_put, warm_put),
             "<= 1.2x warm",
         );
         r.row(
             format!("first 64 MiB read, fresh attach ({label})"),
-            format!("{first_read:.1} ms"),
+            format!("{first_read:.1} ms (median of {ROUNDS})"),
             format!("second read {warm_read:.1} ms"),
             ratio(first_read, warm_read),
             "<= 1.5x warm",
@@ -622,7 +633,7 @@ fn first_read_row(
     r.fig(key, first);
     r.row(
         what,
-        format!("{first:.1} ms"),
+        format!("{first:.1} ms (median of {ROUNDS})"),
         format!("second read {warm:.1} ms"),
         ratio(first, warm),
         "<= 1.5x warm",
@@ -658,6 +669,12 @@ fn first_read_in(dir: PathBuf, huge_pages: HugePages) -> Result<(f64, f64), Stri
         // row measures 2 MiB pages, as a worker attached to a running store finds them.
         store.prefault();
     }
-    let (_, first, warm) = fresh_attach_reads(&path, &id)?;
-    Ok((first, warm))
+    // A new process each round: each one's first read is a first read.
+    let (mut firsts, mut warms) = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        let (_, first, warm) = fresh_attach_reads(&path, &id)?;
+        firsts.push(first);
+        warms.push(warm);
+    }
+    Ok((median(&mut firsts), median(&mut warms)))
 }
