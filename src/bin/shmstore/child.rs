@@ -2,7 +2,7 @@
 //! echo peers. Each reads commands and writes results as lines on stdin/stdout.
 
 use crate::ipc::{
-    evict_cpu_caches, futex_await, futex_await_at_least, futex_wake, now_ns, p50_p99, touch_all,
+    futex_await, futex_await_at_least, futex_wake, now_ns, p50_p99, touch_all, CacheEmptier,
     ControlPage, Ordering,
 };
 use shmstore::AttachOptions;
@@ -59,15 +59,16 @@ fn run(args: &[String]) -> Result<(), String> {
     match role {
         // A process that attaches for the first time: open (timed), then read one object
         // twice, every byte, each read with nothing of it in the CPU caches (see
-        // `evict_cpu_caches`); reports "open_ms first_read_ms second_read_ms".
+        // `CacheEmptier`); reports "open_ms first_read_ms second_read_ms".
         "fresh-attach" => {
             let t = Instant::now();
             let store = open()?;
             let open_ms = t.elapsed().as_secs_f64() * 1e3;
             let id: ObjectId = args[2].parse().map_err(|e| format!("{e:?}"))?;
+            let caches = CacheEmptier::new();
             let mut reads = [0.0f64; 2];
             for r in &mut reads {
-                evict_cpu_caches();
+                caches.empty();
                 let t = Instant::now();
                 let v = store.get(&id, LONG).map_err(|e| e.to_string())?;
                 std::hint::black_box(touch_all(&v));

@@ -222,28 +222,37 @@ pub fn largest_cache_bytes() -> u64 {
     }
 }
 
-/// Reads twice the largest CPU cache's worth of memory of its own (allocated once per
-/// process), one load per cache line, so that no byte of what is timed next is cached.
+/// Twice the largest CPU cache's worth of memory, read to empty the caches before a
+/// timing ([`CacheEmptier::empty`]).
 ///
 /// The first put into a store and a first read from a fresh attach are compared with a
 /// warm put and a second read of the same 64 MiB. A last-level cache can hold those
 /// 64 MiB (the 2-core VM's holds 300 MiB): timed back to back, the warm operation then
 /// copies from cache, and later ones faster still (8.6, 7.7, 6.4, 5.4 ... 4.9 ms for
 /// 64 MiB puts into one store), so the ratio measured the cache, not the store's first
-/// touch. With this before each, the same puts took 7.4-7.8 ms the first time and
-/// 6.9-7.4 ms after. Loads only: no dirty lines are left to write back during the next
-/// timing.
-pub fn evict_cpu_caches() {
-    static BUFFER: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
-    let buffer = BUFFER.get_or_init(|| {
+/// touch. With the caches emptied before each, the same puts took 7.4-7.8 ms the first
+/// time and 6.9-7.4 ms after. Drop it before allocating gigabytes (a store, the
+/// `posix_fallocate` floor): its memory would otherwise press them into reclaim.
+pub struct CacheEmptier(Vec<u8>);
+
+impl CacheEmptier {
+    /// Allocates (and touches) the memory: twice [`largest_cache_bytes`], within
+    /// 64 MiB..2 GiB.
+    pub fn new() -> CacheEmptier {
         let size = (2 * largest_cache_bytes()).clamp(64 << 20, 2 << 30);
-        vec![1u8; size as usize]
-    });
-    let mut sum = 0u64;
-    for line in buffer.chunks(64) {
-        sum = sum.wrapping_add(line[0] as u64);
+        CacheEmptier(vec![1u8; size as usize])
     }
-    std::hint::black_box(sum);
+
+    /// Reads one byte per cache line of the whole buffer, so that no byte of what is
+    /// timed next is cached. Loads only: no dirty lines are left to write back during
+    /// the timing.
+    pub fn empty(&self) {
+        let mut sum = 0u64;
+        for line in self.0.chunks(64) {
+            sum = sum.wrapping_add(line[0] as u64);
+        }
+        std::hint::black_box(sum);
+    }
 }
 
 /// Sum of every byte of `b`, read as u64 words (touches each byte once).

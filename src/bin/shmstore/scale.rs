@@ -16,7 +16,7 @@
 //!    with a tmpfs mounted `huge=within_size`, both for transparent huge pages.
 
 use crate::child::ids;
-use crate::ipc::{evict_cpu_caches, median, percentile, Worker};
+use crate::ipc::{median, percentile, CacheEmptier, Worker};
 use crate::report::{ns, ratio, Report};
 use shmstore::{HugePages, ObjectId, Store, StoreConfig};
 use std::os::fd::AsRawFd;
@@ -329,16 +329,18 @@ fn sizes(quick: bool, r: &mut Report, progress: &dyn Fn(&str)) -> Result<(), Str
             creates.push(t.elapsed().as_secs_f64());
             // The first put into the new store (its pages not yet touched), then a warm
             // one into the same memory, each with nothing of either in the CPU caches
-            // (see `evict_cpu_caches`).
-            evict_cpu_caches();
+            // (see `CacheEmptier`, allocated after the store and freed before the next).
+            let caches = CacheEmptier::new();
+            caches.empty();
             let t = Instant::now();
             store.put(&id, &object).map_err(err)?;
             first_puts.push(t.elapsed().as_secs_f64() * 1e3);
             store.delete(&id).map_err(err)?;
-            evict_cpu_caches();
+            caches.empty();
             let t = Instant::now();
             store.put(&id, &object).map_err(err)?;
             warm_puts.push(t.elapsed().as_secs_f64() * 1e3);
+            drop(caches);
             let (open_ms, first_read, warm_read) = fresh_attach_reads(&path, &id)?;
             opens.push(open_ms);
             first_reads.push(first_read);
