@@ -98,6 +98,12 @@ pub(crate) struct Census {
     /// Every counter summed (totals of departed clients plus every slot's), in
     /// `Counters::all` order.
     pub sums: [u64; COUNTERS],
+    /// `used`, `objects`, `creating` and `draining` before they are clamped at zero
+    /// (wrapping): what a correction must start from. A count a dead client left off
+    /// can take a difference below zero (recovery counts the abort and the free of a
+    /// creation whose insert its dead creator never counted), and correcting the clamped
+    /// figure would leave the counters off by just that much.
+    pub raw: [u64; 4],
 }
 
 impl Globals {
@@ -118,36 +124,34 @@ impl Globals {
         let [inserted, sealed, aborted, deleted, freed, bytes_in, bytes_out, .., pins] = sums;
         let corr = |k: usize| self.correction[k].load(Ordering::Relaxed);
         let clamp = |v: u64| if (v as i64) < 0 { 0 } else { v };
+        let raw = [
+            bytes_in.wrapping_sub(bytes_out).wrapping_add(corr(0)),
+            sealed.wrapping_sub(deleted).wrapping_add(corr(1)),
+            inserted
+                .wrapping_sub(sealed)
+                .wrapping_sub(aborted)
+                .wrapping_add(corr(2)),
+            aborted
+                .wrapping_add(deleted)
+                .wrapping_sub(freed)
+                .wrapping_add(corr(3)),
+        ];
         Census {
-            used: clamp(bytes_in.wrapping_sub(bytes_out).wrapping_add(corr(0))),
-            objects: clamp(sealed.wrapping_sub(deleted).wrapping_add(corr(1))),
-            creating: clamp(
-                inserted
-                    .wrapping_sub(sealed)
-                    .wrapping_sub(aborted)
-                    .wrapping_add(corr(2)),
-            ),
-            draining: clamp(
-                aborted
-                    .wrapping_add(deleted)
-                    .wrapping_sub(freed)
-                    .wrapping_add(corr(3)),
-            ),
+            used: clamp(raw[0]),
+            objects: clamp(raw[1]),
+            creating: clamp(raw[2]),
+            draining: clamp(raw[3]),
             pins: clamp(pins),
             sums,
+            raw,
         }
     }
 
     /// Makes the census say `exact` (what a quiet snapshot found): adds the differences
     /// to the corrections. Only for a moment when no count can change (the leak sweep's).
     pub(crate) fn correct(&self, found: &Census, exact: &Census) {
-        let pairs = [
-            (found.used, exact.used),
-            (found.objects, exact.objects),
-            (found.creating, exact.creating),
-            (found.draining, exact.draining),
-        ];
-        for (k, (f, e)) in pairs.into_iter().enumerate() {
+        let exact = [exact.used, exact.objects, exact.creating, exact.draining];
+        for (k, (f, e)) in found.raw.into_iter().zip(exact).enumerate() {
             if f != e {
                 self.correction[k].fetch_add(e.wrapping_sub(f), Ordering::Relaxed);
             }
@@ -525,4 +529,43 @@ pub(crate) fn wait_for_space<T>(
     };
     space.unregister();
     result
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::client::ClientHeader;
+
+    /// A creator that died after inserting its object but before counting the insert:
+    /// recovery counts the abort and the free, so the bytes freed exceed the bytes in.
+    /// The sweep's correction must make the census exact, not just its clamped figure.
+    #[test]
+    fn a_correction_starts_from_counts_below_zero() {
+        let g = Globals::default();
+        let headers: Vec<ClientHeader> = (0..2).map(|_| ClientHeader::default()).collect();
+        let live = &headers[0].counters;
+        // One sealed object of 4096 bytes, counted in full.
+        live.inserted.store(1, Ordering::Relaxed);
+        live.sealed.store(1, Ordering::Relaxed);
+        live.bytes_in.store(4096, Ordering::Relaxed);
+        // The recoverer's counts of the dead creator's object: aborted and freed, never
+        // counted in.
+        let recoverer = &headers[1].counters;
+        recoverer.aborted.store(1, Ordering::Relaxed);
+        recoverer.freed.store(1, Ordering::Relaxed);
+        recoverer.bytes_out.store(8192, Ordering::Relaxed);
+        let found = g.census(&headers);
+        assert_eq!((found.used, found.creating), (0, 0), "clamped for display");
+        let exact = Census {
+            used: 4096,
+            objects: 1,
+            ..Census::default()
+        };
+        g.correct(&found, &exact);
+        let now = g.census(&headers);
+        assert_eq!(
+            (now.used, now.objects, now.creating, now.draining),
+            (4096, 1, 0, 0)
+        );
+    }
 }

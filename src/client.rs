@@ -368,6 +368,11 @@ impl<'a> Clients<'a> {
         // blocks): recovery has owed a sweep for it. Settle so the next holder starts quiet.
         settle(h);
         if let Some(totals) = self.totals {
+            // Moving the counts is a step too: a death between a counter's swap and its
+            // add loses that count, so the slot shows a step begun until the next claim
+            // settles it, and the recovery of a death here owes the sweep that corrects
+            // the counts.
+            begin_op(h);
             h.counters.fold_into(totals);
         }
         h.pid.store(0, Ordering::Relaxed);
