@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The test command: unit, integration (real processes: multi-process, crash recovery, a
-# 20 s chaos run), property and doc tests, then the Python package's pytest suite
-# (scripts/python.sh builds it into python/.venv, installing maturin, numpy and pytest from
-# PyPI the first time). Later stages (loom, miri, fuzz) have their own scripts.
+# 20 s chaos run, a process killed at every kill point of 14 operations), property and doc
+# tests, then the Python package's pytest suite (scripts/python.sh builds it into
+# python/.venv, installing maturin, numpy and pytest from PyPI the first time). Later stages (loom, miri, fuzz) have their own scripts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --all-targets "$@"
+# A process killed at every write of each operation (the `kill-points` feature builds the
+# library once more, with the crash hook; tests/kill_points.rs).
+cargo test --features kill-points --test kill_points "$@"
 cargo test --doc "$@"
 scripts/python.sh test

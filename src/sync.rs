@@ -15,6 +15,13 @@
 //! at different addresses. Every wait has a timeout, so a lost wake-up (or a dead waker) can
 //! only ever cost the caller its own timeout. See docs/design.md, "Waiting".
 //!
+//! # Kill points
+//! Because every write of shared state passes through here, so does every point at which
+//! a process's death can leave shared memory in a state of its own. With the
+//! `kill-points` feature (tests only) a test can SIGKILL its process just before any one
+//! of them (`kill_points`); tests/kill_points.rs kills a process at each, operation by
+//! operation. Without the feature the hook compiles to nothing.
+//!
 //! Under loom a futex is modelled as one global `Mutex` + `Condvar`: the waiter checks the
 //! word under the mutex, the waker takes the mutex after its store and notifies everyone.
 //! Loom has no clock, so timeouts are ignored in models (a model that could only finish by
@@ -52,6 +59,7 @@ macro_rules! atomic_newtype {
             }
             #[inline]
             pub(crate) fn store(&self, v: $int, o: Ordering) {
+                kill_point();
                 self.0.store(v, o)
             }
             #[inline]
@@ -62,6 +70,7 @@ macro_rules! atomic_newtype {
                 ok: Ordering,
                 fail: Ordering,
             ) -> Result<$int, $int> {
+                kill_point();
                 self.0.compare_exchange(cur, new, ok, fail)
             }
             #[inline]
@@ -72,26 +81,32 @@ macro_rules! atomic_newtype {
                 ok: Ordering,
                 fail: Ordering,
             ) -> Result<$int, $int> {
+                kill_point();
                 self.0.compare_exchange_weak(cur, new, ok, fail)
             }
             #[inline]
             pub(crate) fn fetch_add(&self, v: $int, o: Ordering) -> $int {
+                kill_point();
                 self.0.fetch_add(v, o)
             }
             #[inline]
             pub(crate) fn fetch_sub(&self, v: $int, o: Ordering) -> $int {
+                kill_point();
                 self.0.fetch_sub(v, o)
             }
             #[inline]
             pub(crate) fn swap(&self, v: $int, o: Ordering) -> $int {
+                kill_point();
                 self.0.swap(v, o)
             }
             #[inline]
             pub(crate) fn fetch_and(&self, v: $int, o: Ordering) -> $int {
+                kill_point();
                 self.0.fetch_and(v, o)
             }
             #[inline]
             pub(crate) fn fetch_or(&self, v: $int, o: Ordering) -> $int {
+                kill_point();
                 self.0.fetch_or(v, o)
             }
         }
@@ -104,6 +119,75 @@ atomic_newtype!(AtomicU16, std::sync::atomic::AtomicU16, u16);
 atomic_newtype!(AtomicU32, std::sync::atomic::AtomicU32, u32);
 #[cfg(not(loom))]
 atomic_newtype!(AtomicU64, std::sync::atomic::AtomicU64, u64);
+
+/// A point where this process's death would leave shared memory in a state of its own:
+/// just before each store, compare-exchange and read-modify-write of an atomic, and
+/// each futex wake. With the `kill-points` feature a test can kill the process at any
+/// one of them (`kill_points`); otherwise this compiles to nothing.
+#[cfg(not(loom))]
+#[inline(always)]
+fn kill_point() {
+    #[cfg(feature = "kill-points")]
+    kill_points::reached();
+}
+
+/// Crash injection at every kill point (feature `kill-points`, for tests only; see
+/// tests/kill_points.rs and docs/verification.md, "Kill points").
+///
+/// A thread [`arm`](kill_points::arm)s a count of the kill points it passes from then on,
+/// and, if it chose one, the process is SIGKILLed just before that write: the state the
+/// other processes then find is the one a kill at any instruction between the previous
+/// write and this one would leave (loads change nothing they can see). Only the arming
+/// thread counts, so background threads (page-table population) cannot shift the count.
+#[cfg(all(feature = "kill-points", not(loom)))]
+pub(crate) mod kill_points {
+    use std::cell::Cell;
+
+    thread_local! {
+        static ARMED: Cell<bool> = const { Cell::new(false) };
+        static PASSED: Cell<u64> = const { Cell::new(0) };
+        static KILL_AT: Cell<u64> = const { Cell::new(0) };
+    }
+
+    /// Counts one kill point of this thread, and dies if it is the chosen one.
+    #[inline]
+    pub(crate) fn reached() {
+        if !ARMED.get() {
+            return;
+        }
+        let n = PASSED.get() + 1;
+        PASSED.set(n);
+        if n == KILL_AT.get() {
+            if std::env::var_os("SHMSTORE_KILL_POINT_BACKTRACE").is_some() {
+                eprintln!(
+                    "kill point {n}:\n{}",
+                    std::backtrace::Backtrace::force_capture()
+                );
+            }
+            // SAFETY: getpid and kill take no pointers and have no preconditions.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+            // A SIGKILL sent to oneself is delivered before kill(2) returns; should it
+            // not be, the process still must not go on past the chosen point.
+            std::process::abort();
+        }
+    }
+
+    /// Starts counting this thread's kill points from zero; `kill_at = Some(n)`: die
+    /// just before the `n`th (1-based).
+    pub(crate) fn arm(kill_at: Option<u64>) {
+        PASSED.set(0);
+        KILL_AT.set(kill_at.unwrap_or(0));
+        ARMED.set(true);
+    }
+
+    /// Stops counting; returns how many kill points this thread passed since [`arm`].
+    pub(crate) fn disarm() -> u64 {
+        ARMED.set(false);
+        PASSED.get()
+    }
+}
 
 /// `UnsafeCell` with loom's closure API (`with`, `with_mut`), so that loom can check every
 /// access for data races. Protocol code that hands out plain memory (payload bytes) is
@@ -211,6 +295,7 @@ pub(crate) mod futex {
     /// Wakes every process and thread sleeping on `word`.
     #[cfg(not(loom))]
     pub(crate) fn wake_all(word: &AtomicU32) {
+        super::kill_point();
         // Shared (non-private), to match `wait`.
         let _ =
             rustix::thread::futex::wake(&word.0, rustix::thread::futex::Flags::empty(), u32::MAX);

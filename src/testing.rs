@@ -698,3 +698,33 @@ pub fn open_path_after(
         &mut before_attach,
     )
 }
+
+/// Crash injection (feature `kill-points`): SIGKILL this process just before the `n`th
+/// write of shared state (an atomic store, compare-exchange or read-modify-write, or a
+/// futex wake) that the calling thread makes after [`arm`](kill_points::arm). A test
+/// counts an operation's kill points with `arm(None)` ... [`disarm`](kill_points::disarm),
+/// then kills a fresh process at each one in turn (tests/kill_points.rs).
+///
+/// ```
+/// # #[cfg(feature = "kill-points")] {
+/// use shmstore::testing::kill_points;
+/// let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+/// kill_points::arm(None); // count only
+/// store.put(&shmstore::ObjectId::of_key("a"), b"abc")?;
+/// assert!(kill_points::disarm() > 0);
+/// # }
+/// # Ok::<(), shmstore::Error>(())
+/// ```
+#[cfg(feature = "kill-points")]
+pub mod kill_points {
+    /// Counts this thread's kill points from zero from now on; `Some(n)`: die just
+    /// before the `n`th (1-based).
+    pub fn arm(kill_at: Option<u64>) {
+        crate::sync::kill_points::arm(kill_at);
+    }
+
+    /// Stops counting; returns the kill points this thread passed since [`arm`].
+    pub fn disarm() -> u64 {
+        crate::sync::kill_points::disarm()
+    }
+}

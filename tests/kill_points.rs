@@ -1,0 +1,549 @@
+//! A process killed at *every* point of an operation: the exhaustive side of the chaos
+//! test, which kills at random moments.
+//!
+//! Built with the `kill-points` feature (`cargo test --features kill-points --test
+//! kill_points`; `scripts/test.sh` runs it). A kill point is each write of shared state
+//! (an atomic store, compare-exchange or read-modify-write, or a futex wake); a process
+//! that dies anywhere between two of them leaves what a kill just before the second
+//! leaves, because loads change nothing another process can see. For each operation
+//! below, a victim process first counts the kill points it passes (`N`), then, for every
+//! `k` in `1..=N`, a new victim on a new store, set up the same way, is SIGKILLed just
+//! before its `k`th. After each death the test process, attached all along, checks what
+//! the product promises of any crash:
+//!
+//! 1. `recover` leaves no dead client and no owed sweep, and `check_invariants` passes;
+//! 2. nothing is left half-created; every object the victim did not touch still holds
+//!    its exact bytes, and the one it touched holds its exact bytes or is gone;
+//! 3. a getter blocked on the victim's object returns (the object, or `CreatorDied`),
+//!    never waiting out its timeout;
+//! 4. deleting everything leaves zero bytes used and the whole heap one free run;
+//! 5. the store still works: a put, a get and a new attachment.
+
+mod common;
+
+use common::{bytes, child, child_role, hear, say, store_with, Cleanup, Proc};
+use shmstore::testing::kill_points;
+use shmstore::{
+    AttachOptions, Error, HugePages, ObjectId, ObjectState, Store, StoreConfig, View, WhenFull,
+};
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::time::Duration;
+
+const CAPACITY: u64 = 1 << 20;
+/// An object every scenario starts with (pages, not a slab: over the largest class).
+const BIG: (u8, usize) = (1, 200_000);
+/// The object a victim creates (`len` per scenario).
+const SUBJECT: u8 = 9;
+/// Another object of a holder (`recover`): created, never sealed.
+const UNSEALED: u8 = 10;
+
+fn id(key: u8) -> ObjectId {
+    ObjectId::of_key([key])
+}
+
+/// What a victim does, armed; and how the store is set up before it starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    /// Attach to the store.
+    Attach,
+    /// Attach to a store whose only free client slot is a dead process's (which held a
+    /// pin and an unsealed object): move into it, recovering it first.
+    AttachIntoDead,
+    /// Drop a pin and leave the store (the victim put an object and pinned `BIG` first).
+    Detach,
+    /// Put 100 bytes, the first object of its size class: a new slab.
+    PutFirstSmall,
+    /// Put 100 bytes into a slab that holds two objects already.
+    PutSmall,
+    /// Put 300,000 bytes (pages), with a getter of another process waiting for it.
+    PutLarge,
+    /// Create 5,000 bytes, write them and abort.
+    CreateAbort,
+    /// Get `BIG`, read it and drop the view.
+    GetDrop,
+    /// Drop the last pin of `BIG`, which the test process deleted meanwhile: the drop
+    /// frees its block.
+    UnpinDeleted,
+    /// Delete `BIG`.
+    Delete,
+    /// Delete `BIG` while the test process pins it.
+    DeletePinned,
+    /// Put 300,000 bytes into a full store that evicts (`WhenFull::Evict`).
+    PutEvicting,
+    /// Recover a dead process that held a pin and an unsealed object.
+    Recover,
+    /// Allocate a block outside the table (`raw_alloc`, 5,000 bytes) and free it.
+    RawAllocFree,
+}
+
+impl Op {
+    const ALL: [Op; 14] = [
+        Op::Attach,
+        Op::AttachIntoDead,
+        Op::Detach,
+        Op::PutFirstSmall,
+        Op::PutSmall,
+        Op::PutLarge,
+        Op::CreateAbort,
+        Op::GetDrop,
+        Op::UnpinDeleted,
+        Op::Delete,
+        Op::DeletePinned,
+        Op::PutEvicting,
+        Op::Recover,
+        Op::RawAllocFree,
+    ];
+
+    fn name(self) -> String {
+        format!("{self:?}")
+    }
+
+    fn parse(s: &str) -> Op {
+        *Op::ALL.iter().find(|o| o.name() == s).unwrap()
+    }
+
+    /// Whether a getter of another process waits for the subject meanwhile.
+    fn waiter(self) -> bool {
+        matches!(self, Op::PutSmall | Op::PutLarge | Op::CreateAbort)
+    }
+
+    /// Whether the setup leaves a dead process (`holder`) behind.
+    fn dead_holder(self) -> bool {
+        matches!(self, Op::Recover | Op::AttachIntoDead)
+    }
+
+    /// The subject's length, if the victim creates it.
+    fn subject_len(self) -> Option<usize> {
+        match self {
+            Op::PutFirstSmall | Op::PutSmall => Some(100),
+            Op::PutLarge | Op::PutEvicting => Some(300_000),
+            Op::CreateAbort | Op::Detach => Some(5_000),
+            _ => None,
+        }
+    }
+}
+
+/// Child processes: dispatched on `SHMSTORE_CHILD`. Runs only when started by a test below.
+#[test]
+#[ignore = "child process entry point, started by the other tests"]
+fn child_entry() {
+    let (role, args) = child_role().expect("child_entry runs only as a child process");
+    let path = Path::new(&args[0]);
+    match role.as_str() {
+        "victim" => {
+            let op = Op::parse(&args[1]);
+            let kill_at = args[2].parse::<u64>().ok().filter(|&k| k > 0);
+            let passed = victim(path, op, kill_at);
+            say(format!("passed {passed}"));
+        }
+        // Waits for the subject; reports how the get ended.
+        "waiter" => {
+            let store = Store::open_path(path).unwrap();
+            let len: usize = args[1].parse().unwrap();
+            match store.get(&id(SUBJECT), Duration::from_secs(30)) {
+                Ok(v) => {
+                    assert_eq!(&*v, &bytes(u64::from(SUBJECT), len)[..], "wrong bytes");
+                    say("got");
+                }
+                Err(Error::CreatorDied { .. }) => say("creator died"),
+                Err(e) => say(format!("error {e}")),
+            }
+        }
+        // Pins `BIG`, starts an object it never seals, and waits to be killed.
+        "holder" => {
+            let store = Store::open_path(path).unwrap();
+            let pin = store.try_get(&id(BIG.0)).unwrap();
+            let mut c = store.create_object(&id(UNSEALED), 5_000).unwrap();
+            c.write_at(0, &[7; 5_000]);
+            say("holding");
+            let _ = hear();
+            drop((pin, c));
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// Runs `op` in this (victim) process, armed with `kill_at`; returns the kill points passed.
+fn victim(path: &Path, op: Op, kill_at: Option<u64>) -> u64 {
+    let subject = || bytes(u64::from(SUBJECT), op.subject_len().unwrap());
+    if matches!(op, Op::Attach | Op::AttachIntoDead) {
+        kill_points::arm(kill_at);
+        let store = Store::open_path(path).unwrap();
+        let passed = kill_points::disarm();
+        drop(store);
+        return passed;
+    }
+    // Recovery is the operation under test in `Recover`: not on attach there.
+    let opts = AttachOptions {
+        recover_on_attach: op != Op::Recover,
+        ..AttachOptions::default()
+    };
+    let store = Store::open_with(path, &opts).unwrap();
+    let mut held: Option<View> = None;
+    if op == Op::Detach {
+        store.put(&id(SUBJECT), &subject()).unwrap();
+        held = Some(store.try_get(&id(BIG.0)).unwrap());
+    }
+    if op == Op::UnpinDeleted {
+        held = Some(store.try_get(&id(BIG.0)).unwrap());
+        say("pinned");
+        assert_eq!(hear(), "deleted");
+    }
+    kill_points::arm(kill_at);
+    match op {
+        Op::Attach | Op::AttachIntoDead => unreachable!(),
+        Op::Detach => {
+            drop(held.take());
+            drop(store);
+            return kill_points::disarm();
+        }
+        Op::PutFirstSmall | Op::PutSmall | Op::PutLarge | Op::PutEvicting => {
+            store.put(&id(SUBJECT), &subject()).unwrap();
+        }
+        Op::CreateAbort => {
+            let mut c = store.create_object(&id(SUBJECT), 5_000).unwrap();
+            c.write_at(0, &subject());
+            c.abort();
+        }
+        Op::GetDrop => {
+            let v = store.get(&id(BIG.0), Duration::from_secs(1)).unwrap();
+            assert_eq!(&*v, &bytes(u64::from(BIG.0), BIG.1)[..]);
+            drop(v);
+        }
+        Op::UnpinDeleted => drop(held.take()),
+        Op::Delete | Op::DeletePinned => store.delete(&id(BIG.0)).unwrap(),
+        Op::Recover => {
+            let report = store.recover().unwrap();
+            assert_eq!(report.clients_recovered, 1, "{report:?}");
+        }
+        Op::RawAllocFree => {
+            let block = store.raw_alloc(5_000).unwrap();
+            store.raw_free(block).unwrap();
+        }
+    }
+    kill_points::disarm()
+}
+
+/// The store of one run, set up for `op`: what the test process holds, and what it knows.
+struct Setup {
+    store: Store,
+    _cleanup: Cleanup,
+    /// Objects put before the victim started, with their bytes.
+    known: Vec<(ObjectId, Vec<u8>)>,
+    /// A pin the test process holds on `BIG` (`DeletePinned`).
+    pinned: Option<View>,
+}
+
+fn set_up(op: Op, run: &str) -> Setup {
+    let cfg = StoreConfig {
+        prefault: false,
+        populate_in_background: false,
+        huge_pages: HugePages::Off,
+        when_full: if op == Op::PutEvicting {
+            WhenFull::Evict
+        } else {
+            WhenFull::Fail
+        },
+        // A small table: the CLOCK hand steps through every slot (one write each) on
+        // its way to a victim, and each of those is a kill point.
+        max_objects: 64,
+        // Moving into a dead client's slot happens only when no slot is free.
+        max_clients: if op == Op::AttachIntoDead { 2 } else { 16 },
+        ..StoreConfig::with_capacity(CAPACITY)
+    };
+    let (store, cleanup) = store_with(&format!("kp-{run}"), &cfg);
+    let mut known = vec![];
+    let mut put = |key: u8, len: usize| {
+        let data = bytes(u64::from(key), len);
+        store.put(&id(key), &data).unwrap();
+        known.push((id(key), data));
+    };
+    put(BIG.0, BIG.1);
+    match op {
+        Op::PutSmall => {
+            put(2, 100);
+            put(3, 100);
+        }
+        Op::PutEvicting => {
+            // Fill the store: 200,000-byte objects until one does not fit.
+            let mut key = 20;
+            while store.largest_free() >= 200_000 + 4096 {
+                put(key, 200_000);
+                key += 1;
+            }
+            assert!(
+                store.largest_free() < 300_000,
+                "the victim's put must evict"
+            );
+        }
+        _ => {}
+    }
+    let pinned = (op == Op::DeletePinned).then(|| store.try_get(&id(BIG.0)).unwrap());
+    if op.dead_holder() {
+        let mut holder = child("holder", &store, &[]);
+        assert_eq!(holder.recv(), "holding");
+        holder.child.kill().unwrap();
+        holder.child.wait().unwrap();
+    }
+    Setup {
+        store,
+        _cleanup: cleanup,
+        known,
+        pinned,
+    }
+}
+
+/// One run of `op` on a new store: count its kill points (`kill_at = None`) or die at
+/// one; then every check. Returns the kill points the victim passed (when it finished).
+fn run(op: Op, kill_at: Option<u64>) -> Option<u64> {
+    let tag = format!("{}-{}", op.name(), kill_at.unwrap_or(0));
+    let Setup {
+        store,
+        _cleanup,
+        known,
+        pinned,
+    } = set_up(op, &tag);
+    let path = store.path().unwrap().to_path_buf();
+
+    let waiter = op.waiter().then(|| {
+        let len = op.subject_len().unwrap().to_string();
+        let w = child("waiter", &store, &[len]);
+        w.wait_until_blocked_in_futex(Duration::from_secs(30));
+        w
+    });
+    let mut victim = child(
+        "victim",
+        &store,
+        &[op.name(), kill_at.unwrap_or(0).to_string()],
+    );
+    if op == Op::UnpinDeleted {
+        assert_eq!(victim.recv(), "pinned");
+        store.delete(&id(BIG.0)).unwrap();
+        victim.send("deleted");
+    }
+    let status = victim.child.wait().unwrap();
+    let passed = if status.signal() == Some(libc::SIGKILL) {
+        assert!(kill_at.is_some(), "{tag}: killed though not armed to die");
+        None
+    } else {
+        assert!(status.success(), "{tag}: victim failed: {status}");
+        let passed: u64 = victim
+            .recv()
+            .strip_prefix("passed ")
+            .unwrap()
+            .parse()
+            .unwrap();
+        // A run may pass fewer kill points than the count (a wake skipped because the
+        // waiter was between two sleeps): then it finished, and is checked as such.
+        if let Some(k) = kill_at {
+            assert!(
+                passed < k,
+                "{tag}: passed {passed} kill points without dying"
+            );
+        }
+        Some(passed)
+    };
+
+    check(op, &tag, &store, &path, known, pinned, waiter);
+    passed
+}
+
+fn check(
+    op: Op,
+    tag: &str,
+    store: &Store,
+    path: &Path,
+    known: Vec<(ObjectId, Vec<u8>)>,
+    pinned: Option<View>,
+    waiter: Option<Proc>,
+) {
+    // 1. Recovery leaves nothing owed; the allocator and the table agree.
+    let report = store.recover().unwrap();
+    let stats = store.stats();
+    assert!(!stats.sweep_pending, "{tag}: sweep owed {report:?}");
+    store
+        .check_invariants()
+        .unwrap_or_else(|e| panic!("{tag}: {e}"));
+
+    // 2. Nothing half-created; exact bytes or gone.
+    for o in store.list() {
+        assert_ne!(o.state, ObjectState::Creating, "{tag}: left behind {o:?}");
+    }
+    let may_lose = |id: &ObjectId| {
+        (matches!(op, Op::Delete | Op::DeletePinned | Op::UnpinDeleted) && *id == self::id(BIG.0))
+            || op == Op::PutEvicting
+    };
+    for (id, data) in &known {
+        match store.try_get(id) {
+            Ok(v) => assert_eq!(&*v, &data[..], "{tag}: bytes of {id} changed"),
+            Err(Error::NotFound { .. }) if may_lose(id) => {}
+            Err(e) => panic!("{tag}: {id} lost: {e}"),
+        }
+    }
+    if let Some(v) = &pinned {
+        assert_eq!(
+            &**v,
+            &bytes(u64::from(BIG.0), BIG.1)[..],
+            "{tag}: pinned bytes"
+        );
+    }
+    let subject = op.subject_len().map(|len| bytes(u64::from(SUBJECT), len));
+    match (store.try_get(&id(SUBJECT)), &subject) {
+        (Ok(v), Some(data)) => {
+            assert_ne!(op, Op::CreateAbort, "{tag}: an aborted object is visible");
+            assert_eq!(&*v, &data[..], "{tag}: subject's bytes");
+        }
+        (Err(Error::NotFound { .. }), _) => {
+            assert_ne!(op, Op::Detach, "{tag}: the detaching victim's put was lost");
+        }
+        (r, _) => panic!("{tag}: subject: {:?}", r.map(|v| v.len())),
+    }
+
+    // 3. A getter waiting for the subject returns: put it if the victim died first.
+    if let Some(mut w) = waiter {
+        if !store.contains(&id(SUBJECT)) {
+            store.put(&id(SUBJECT), subject.as_ref().unwrap()).unwrap();
+        }
+        let said = w.recv();
+        assert!(
+            said == "got" || said == "creator died",
+            "{tag}: the waiting getter said {said:?}"
+        );
+        w.finish();
+    }
+
+    // 4. Deleting everything leaves nothing.
+    drop(pinned);
+    for o in store.list() {
+        store.delete(&o.id).unwrap();
+    }
+    let empty = store.stats();
+    assert_eq!(
+        (
+            empty.used,
+            empty.objects,
+            empty.draining,
+            empty.pins,
+            empty.clients,
+            empty.dead_clients
+        ),
+        (0, 0, 0, 0, 1, 0),
+        "{tag}: leaked {empty:?}"
+    );
+    assert_eq!(
+        store.largest_free(),
+        empty.capacity,
+        "{tag}: fragments left"
+    );
+
+    // 5. The store still works, for this process and a new attachment.
+    let other = Store::open_path(path).unwrap();
+    let data = bytes(77, 300_000);
+    other.put(&id(77), &data).unwrap();
+    assert_eq!(
+        &*store.get(&id(77), Duration::from_secs(1)).unwrap(),
+        &data[..]
+    );
+    store.put(&id(78), &[5; 100]).unwrap();
+    assert_eq!(&*other.try_get(&id(78)).unwrap(), &[5; 100]);
+    store.check_invariants().unwrap();
+}
+
+/// Counts `op`'s kill points, then kills a victim at each one.
+///
+/// To look at one kill point: `SHMSTORE_KILL_POINT=k` runs only the `k`th, and
+/// `SHMSTORE_KILL_POINT_BACKTRACE=1` makes the victim print where it dies.
+fn every_kill_point(op: Op) {
+    if let Some(k) = std::env::var("SHMSTORE_KILL_POINT")
+        .ok()
+        .and_then(|k| k.parse().ok())
+    {
+        run(op, Some(k));
+        return;
+    }
+    let n = run(op, None).expect("the counting run finishes");
+    assert!(n > 0, "{op:?} passed no kill point: is the feature on?");
+    let mut finished = 0;
+    for k in 1..=n {
+        if run(op, Some(k)).is_some() {
+            finished += 1;
+        }
+    }
+    // Each kill point is deterministic but a skipped wake (see `run`): nearly all die.
+    assert!(
+        finished * 10 <= n,
+        "{op:?}: {finished} of {n} runs did not reach their kill point"
+    );
+    eprintln!("{op:?}: killed at each of {n} kill points ({finished} finished early)");
+}
+
+#[test]
+fn killed_while_attaching() {
+    every_kill_point(Op::Attach);
+}
+
+#[test]
+fn killed_while_moving_into_a_dead_processs_slot() {
+    every_kill_point(Op::AttachIntoDead);
+}
+
+#[test]
+fn killed_while_leaving() {
+    every_kill_point(Op::Detach);
+}
+
+#[test]
+fn killed_while_putting_the_first_object_of_a_slab() {
+    every_kill_point(Op::PutFirstSmall);
+}
+
+#[test]
+fn killed_while_putting_into_a_slab() {
+    every_kill_point(Op::PutSmall);
+}
+
+#[test]
+fn killed_while_putting_pages_a_getter_waits_for() {
+    every_kill_point(Op::PutLarge);
+}
+
+#[test]
+fn killed_while_creating_and_aborting() {
+    every_kill_point(Op::CreateAbort);
+}
+
+#[test]
+fn killed_while_getting_and_dropping() {
+    every_kill_point(Op::GetDrop);
+}
+
+#[test]
+fn killed_while_dropping_the_last_pin_of_a_deleted_object() {
+    every_kill_point(Op::UnpinDeleted);
+}
+
+#[test]
+fn killed_while_deleting() {
+    every_kill_point(Op::Delete);
+}
+
+#[test]
+fn killed_while_deleting_what_another_process_pins() {
+    every_kill_point(Op::DeletePinned);
+}
+
+#[test]
+fn killed_while_evicting() {
+    every_kill_point(Op::PutEvicting);
+}
+
+#[test]
+fn killed_while_recovering_a_dead_process() {
+    every_kill_point(Op::Recover);
+}
+
+#[test]
+fn killed_while_allocating_and_freeing_a_raw_block() {
+    every_kill_point(Op::RawAllocFree);
+}
