@@ -40,6 +40,8 @@
 //! * a block bit set in a live slab that no entry names is freed;
 //! * a slab `live` count above its set bits has its extra reservations dropped;
 //! * a page bit that no page-run entry and no live slab covers is freed;
+//! * a slab with nothing reserved in it, not its class's hint, whose last freer died
+//!   before retiring it, is retired (its pages go back, as that free would have done);
 //! * (first, at any moment) a page word left empty with its summary bit set, by a freer
 //!   that died between the two, has the bit cleared.
 //!
@@ -370,6 +372,11 @@ impl World<'_> {
             let live = st & 0xffff;
             if live > ones {
                 self.alloc.drop_leaked_reservations(s, class, live - ones);
+            } else if live == 0 {
+                // Empty, and not the class's hint: its last freer died before retiring
+                // it (or lost a race with the hint moving), and its pages stayed a slab's.
+                // Not a leak (the class could still use it), so not counted as one.
+                self.alloc.retire_if_empty(s, class);
             }
         }
         let mut p = 0;

@@ -345,6 +345,19 @@ impl Allocator<'_> {
         true
     }
 
+    /// Retires slab `s` of `class` if nothing is reserved in it and it is not the class's
+    /// hint (which stays, empty, for the next claim): what the last free in a slab does,
+    /// for a freer killed just before its retiring CAS (the leak sweep calls this). The
+    /// same single CAS as that free's, so it is safe at any moment: a claimer that
+    /// reserved first makes it fail; one that comes after finds no slab. Returns whether
+    /// it retired the slab.
+    pub(crate) fn retire_if_empty(&self, s: usize, class: usize) -> bool {
+        s < self.slabs.len()
+            && class < CLASSES as usize
+            && self.hint(class).load(Ordering::Relaxed) != s as u64 + 1
+            && self.try_retire(s, class)
+    }
+
     /// Drops `k` reservations of slab `s` that no block bit stands for (a claimer died
     /// between reserving and setting its bit); the slab may retire.
     pub(crate) fn drop_leaked_reservations(&self, s: usize, class: usize, k: u64) {
