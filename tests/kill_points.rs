@@ -71,14 +71,21 @@ enum Op {
     DeletePinned,
     /// Put 300,000 bytes into a full store that evicts (`WhenFull::Evict`).
     PutEvicting,
+    /// Put 300,000 bytes into a store full of 16,000-byte objects in slabs, which
+    /// evicts: whole slabs must empty before a page run fits.
+    PutEvictingSlabs,
     /// Recover a dead process that held a pin and an unsealed object.
     Recover,
     /// Allocate a block outside the table (`raw_alloc`, 5,000 bytes) and free it.
     RawAllocFree,
+    /// In a child forked from a process that pins `BIG`: use the inherited store (which
+    /// attaches the child as a client of its own and pins the inherited view again in
+    /// its name), put 5,000 bytes and read the view. The child is the one killed.
+    ForkedChild,
 }
 
 impl Op {
-    const ALL: [Op; 14] = [
+    const ALL: [Op; 16] = [
         Op::Attach,
         Op::AttachIntoDead,
         Op::Detach,
@@ -91,8 +98,10 @@ impl Op {
         Op::Delete,
         Op::DeletePinned,
         Op::PutEvicting,
+        Op::PutEvictingSlabs,
         Op::Recover,
         Op::RawAllocFree,
+        Op::ForkedChild,
     ];
 
     fn name(self) -> String {
@@ -117,8 +126,8 @@ impl Op {
     fn subject_len(self) -> Option<usize> {
         match self {
             Op::PutFirstSmall | Op::PutSmall => Some(100),
-            Op::PutLarge | Op::PutEvicting => Some(300_000),
-            Op::CreateAbort | Op::Detach => Some(5_000),
+            Op::PutLarge | Op::PutEvicting | Op::PutEvictingSlabs => Some(300_000),
+            Op::CreateAbort | Op::Detach | Op::ForkedChild => Some(5_000),
             _ => None,
         }
     }
@@ -134,8 +143,12 @@ fn child_entry() {
         "victim" => {
             let op = Op::parse(&args[1]);
             let kill_at = args[2].parse::<u64>().ok().filter(|&k| k > 0);
-            let passed = victim(path, op, kill_at);
-            say(format!("passed {passed}"));
+            if op == Op::ForkedChild {
+                forked_victim(path, kill_at);
+            } else {
+                let passed = victim(path, op, kill_at);
+                say(format!("passed {passed}"));
+            }
         }
         // Waits for the subject; reports how the get ended.
         "waiter" => {
@@ -192,13 +205,17 @@ fn victim(path: &Path, op: Op, kill_at: Option<u64>) -> u64 {
     }
     kill_points::arm(kill_at);
     match op {
-        Op::Attach | Op::AttachIntoDead => unreachable!(),
+        Op::Attach | Op::AttachIntoDead | Op::ForkedChild => unreachable!(),
         Op::Detach => {
             drop(held.take());
             drop(store);
             return kill_points::disarm();
         }
-        Op::PutFirstSmall | Op::PutSmall | Op::PutLarge | Op::PutEvicting => {
+        Op::PutFirstSmall
+        | Op::PutSmall
+        | Op::PutLarge
+        | Op::PutEvicting
+        | Op::PutEvictingSlabs => {
             store.put(&id(SUBJECT), &subject()).unwrap();
         }
         Op::CreateAbort => {
@@ -225,6 +242,54 @@ fn victim(path: &Path, op: Op, kill_at: Option<u64>) -> u64 {
     kill_points::disarm()
 }
 
+/// `Op::ForkedChild`: pins `BIG`, forks, and has the child run the operation armed. Says
+/// what the child says (`passed N`) if it finished, `killed` if it died at its kill point.
+fn forked_victim(path: &Path, kill_at: Option<u64>) {
+    let opts = AttachOptions {
+        populate_in_background: false, // one thread at the fork
+        ..AttachOptions::default()
+    };
+    let store = Store::open_with(path, &opts).unwrap();
+    let held = store.try_get(&id(BIG.0)).unwrap();
+    // SAFETY: this process (a test child run with --test-threads=1, without a population
+    // thread) has no other thread holding a lock the child needs; the child ends with
+    // `_exit`.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let run = std::panic::catch_unwind(|| {
+            kill_points::arm(kill_at);
+            let subject = bytes(u64::from(SUBJECT), 5_000);
+            store.put(&id(SUBJECT), &subject).unwrap();
+            assert_eq!(&*held, &bytes(u64::from(BIG.0), BIG.1)[..]);
+            kill_points::disarm()
+        });
+        let code = match run {
+            Ok(passed) => {
+                say(format!("passed {passed}"));
+                0
+            }
+            Err(_) => 101,
+        };
+        // SAFETY: ends the child without running the parent's exit handlers twice.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: `pid` is our child; `status` is a valid place for its status.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    if libc::WIFSIGNALED(status) {
+        assert_eq!(
+            libc::WTERMSIG(status),
+            libc::SIGKILL,
+            "the forked child crashed"
+        );
+        say("killed");
+    } else {
+        assert_eq!(libc::WEXITSTATUS(status), 0, "the forked child failed");
+    }
+    drop((held, store));
+}
+
 /// The store of one run, set up for `op`: what the test process holds, and what it knows.
 struct Setup {
     store: Store,
@@ -240,7 +305,7 @@ fn set_up(op: Op, run: &str) -> Setup {
         prefault: false,
         populate_in_background: false,
         huge_pages: HugePages::Off,
-        when_full: if op == Op::PutEvicting {
+        when_full: if matches!(op, Op::PutEvicting | Op::PutEvictingSlabs) {
             WhenFull::Evict
         } else {
             WhenFull::Fail
@@ -276,6 +341,17 @@ fn set_up(op: Op, run: &str) -> Setup {
                 store.largest_free() < 300_000,
                 "the victim's put must evict"
             );
+        }
+        Op::PutEvictingSlabs => {
+            // Slabs of 64 KiB, four objects each, until no new slab fits.
+            let mut key = 20;
+            while store.largest_free() >= 64 << 10 {
+                put(key, 16_000);
+                key += 1;
+            }
+            let st = store.stats();
+            assert_eq!(st.evictions, 0, "the setup must not evict");
+            assert!(st.objects > 40, "{st:?}");
         }
         _ => {}
     }
@@ -323,17 +399,17 @@ fn run(op: Op, kill_at: Option<u64>) -> Option<u64> {
         victim.send("deleted");
     }
     let status = victim.child.wait().unwrap();
-    let passed = if status.signal() == Some(libc::SIGKILL) {
+    // A forked victim's parent lives on and says whether its child was killed.
+    let said = (status.signal() != Some(libc::SIGKILL)).then(|| {
+        assert!(status.success(), "{tag}: victim failed: {status}");
+        victim.recv()
+    });
+    let passed = if said.as_deref().is_none_or(|s| s == "killed") {
         assert!(kill_at.is_some(), "{tag}: killed though not armed to die");
         None
     } else {
-        assert!(status.success(), "{tag}: victim failed: {status}");
-        let passed: u64 = victim
-            .recv()
-            .strip_prefix("passed ")
-            .unwrap()
-            .parse()
-            .unwrap();
+        let said = said.unwrap();
+        let passed: u64 = said.strip_prefix("passed ").unwrap().parse().unwrap();
         // A run may pass fewer kill points than the count (a wake skipped because the
         // waiter was between two sleeps): then it finished, and is checked as such.
         if let Some(k) = kill_at {
@@ -372,7 +448,7 @@ fn check(
     }
     let may_lose = |id: &ObjectId| {
         (matches!(op, Op::Delete | Op::DeletePinned | Op::UnpinDeleted) && *id == self::id(BIG.0))
-            || op == Op::PutEvicting
+            || matches!(op, Op::PutEvicting | Op::PutEvictingSlabs)
     };
     for (id, data) in &known {
         match store.try_get(id) {
@@ -539,6 +615,11 @@ fn killed_while_evicting() {
 }
 
 #[test]
+fn killed_while_evicting_slabs() {
+    every_kill_point(Op::PutEvictingSlabs);
+}
+
+#[test]
 fn killed_while_recovering_a_dead_process() {
     every_kill_point(Op::Recover);
 }
@@ -546,4 +627,9 @@ fn killed_while_recovering_a_dead_process() {
 #[test]
 fn killed_while_allocating_and_freeing_a_raw_block() {
     every_kill_point(Op::RawAllocFree);
+}
+
+#[test]
+fn killed_while_a_forked_child_uses_what_it_inherited() {
+    every_kill_point(Op::ForkedChild);
 }
