@@ -76,6 +76,13 @@ enum Op {
     PutEvictingSlabs,
     /// Recover a dead process that held a pin and an unsealed object.
     Recover,
+    /// Recover a process that died inside allocator steps (a page run and a slab block
+    /// taken, a new slab half set up, none of them named by an entry): the recovery owes
+    /// the leak sweep, which the victim runs.
+    RecoverAndSweep,
+    /// Delete `BIG` unless a pin holds it (`delete_unpinned`: the eviction step for one
+    /// id), while the test process does not pin it.
+    DeleteUnpinned,
     /// Allocate a block outside the table (`raw_alloc`, 5,000 bytes) and free it.
     RawAllocFree,
     /// In a child forked from a process that pins `BIG`: use the inherited store (which
@@ -85,7 +92,7 @@ enum Op {
 }
 
 impl Op {
-    const ALL: [Op; 16] = [
+    const ALL: [Op; 18] = [
         Op::Attach,
         Op::AttachIntoDead,
         Op::Detach,
@@ -100,6 +107,8 @@ impl Op {
         Op::PutEvicting,
         Op::PutEvictingSlabs,
         Op::Recover,
+        Op::RecoverAndSweep,
+        Op::DeleteUnpinned,
         Op::RawAllocFree,
         Op::ForkedChild,
     ];
@@ -119,7 +128,7 @@ impl Op {
 
     /// Whether the setup leaves a dead process (`holder`) behind.
     fn dead_holder(self) -> bool {
-        matches!(self, Op::Recover | Op::AttachIntoDead)
+        matches!(self, Op::Recover | Op::AttachIntoDead | Op::RecoverAndSweep)
     }
 
     /// The subject's length, if the victim creates it.
@@ -166,6 +175,15 @@ fn child_entry() {
         // Pins `BIG`, starts an object it never seals, and waits to be killed.
         "holder" => {
             let store = Store::open_path(path).unwrap();
+            if args[1] == "inside-steps" {
+                // Each of these begins an allocator step and never ends it.
+                shmstore::testing::leak_inside_allocator_step(&store, 100_000).unwrap();
+                shmstore::testing::leak_inside_allocator_step(&store, 3_000).unwrap();
+                shmstore::testing::die_in_slab_setup(&store).unwrap();
+                say("holding");
+                let _ = hear();
+                return;
+            }
             let pin = store.try_get(&id(BIG.0)).unwrap();
             let mut c = store.create_object(&id(UNSEALED), 5_000).unwrap();
             c.write_at(0, &[7; 5_000]);
@@ -189,7 +207,7 @@ fn victim(path: &Path, op: Op, kill_at: Option<u64>) -> u64 {
     }
     // Recovery is the operation under test in `Recover`: not on attach there.
     let opts = AttachOptions {
-        recover_on_attach: op != Op::Recover,
+        recover_on_attach: !matches!(op, Op::Recover | Op::RecoverAndSweep),
         ..AttachOptions::default()
     };
     let store = Store::open_with(path, &opts).unwrap();
@@ -230,10 +248,15 @@ fn victim(path: &Path, op: Op, kill_at: Option<u64>) -> u64 {
         }
         Op::UnpinDeleted => drop(held.take()),
         Op::Delete | Op::DeletePinned => store.delete(&id(BIG.0)).unwrap(),
-        Op::Recover => {
+        Op::Recover | Op::RecoverAndSweep => {
             let report = store.recover().unwrap();
             assert_eq!(report.clients_recovered, 1, "{report:?}");
+            if op == Op::RecoverAndSweep {
+                assert!(!report.sweep_pending, "{report:?}");
+                assert!(report.leaked_blocks_freed >= 2, "{report:?}");
+            }
         }
+        Op::DeleteUnpinned => assert!(store.delete_unpinned(&id(BIG.0)).unwrap()),
         Op::RawAllocFree => {
             let block = store.raw_alloc(5_000).unwrap();
             store.raw_free(block).unwrap();
@@ -357,7 +380,12 @@ fn set_up(op: Op, run: &str) -> Setup {
     }
     let pinned = (op == Op::DeletePinned).then(|| store.try_get(&id(BIG.0)).unwrap());
     if op.dead_holder() {
-        let mut holder = child("holder", &store, &[]);
+        let kind = if op == Op::RecoverAndSweep {
+            "inside-steps"
+        } else {
+            "pin-and-create"
+        };
+        let mut holder = child("holder", &store, &[kind.to_string()]);
         assert_eq!(holder.recv(), "holding");
         holder.child.kill().unwrap();
         holder.child.wait().unwrap();
@@ -447,7 +475,10 @@ fn check(
         assert_ne!(o.state, ObjectState::Creating, "{tag}: left behind {o:?}");
     }
     let may_lose = |id: &ObjectId| {
-        (matches!(op, Op::Delete | Op::DeletePinned | Op::UnpinDeleted) && *id == self::id(BIG.0))
+        (matches!(
+            op,
+            Op::Delete | Op::DeletePinned | Op::UnpinDeleted | Op::DeleteUnpinned
+        ) && *id == self::id(BIG.0))
             || matches!(op, Op::PutEvicting | Op::PutEvictingSlabs)
     };
     for (id, data) in &known {
@@ -632,4 +663,14 @@ fn killed_while_allocating_and_freeing_a_raw_block() {
 #[test]
 fn killed_while_a_forked_child_uses_what_it_inherited() {
     every_kill_point(Op::ForkedChild);
+}
+
+#[test]
+fn killed_while_recovering_and_sweeping_what_a_dead_process_left_inside_the_allocator() {
+    every_kill_point(Op::RecoverAndSweep);
+}
+
+#[test]
+fn killed_while_deleting_unless_pinned() {
+    every_kill_point(Op::DeleteUnpinned);
 }
