@@ -159,6 +159,18 @@ fn child_entry() {
                 say(format!("passed {passed}"));
             }
         }
+        // Recovers whatever the victim left, armed (the nested mode).
+        "recoverer" => {
+            let opts = AttachOptions {
+                recover_on_attach: false,
+                populate_in_background: false,
+                ..AttachOptions::default()
+            };
+            let store = Store::open_with(path, &opts).unwrap();
+            kill_points::arm(args[1].parse::<u64>().ok().filter(|&k| k > 0));
+            store.recover().unwrap();
+            say(format!("passed {}", kill_points::disarm()));
+        }
         // Waits for the subject; reports how the get ended.
         "waiter" => {
             let store = Store::open_path(path).unwrap();
@@ -400,8 +412,15 @@ fn set_up(op: Op, run: &str) -> Setup {
 
 /// One run of `op` on a new store: count its kill points (`kill_at = None`) or die at
 /// one; then every check. Returns the kill points the victim passed (when it finished).
-fn run(op: Op, kill_at: Option<u64>) -> Option<u64> {
-    let tag = format!("{}-{}", op.name(), kill_at.unwrap_or(0));
+///
+/// With `recoverer = Some(r)`, a recoverer process then runs `recover` armed with `r`
+/// (the nested mode of [`every_kill_point`]); the second value returned is the kill
+/// points it passed, if it finished.
+fn run(op: Op, kill_at: Option<u64>, recoverer: Option<Option<u64>>) -> (Option<u64>, Option<u64>) {
+    let mut tag = format!("{}-{}", op.name(), kill_at.unwrap_or(0));
+    if let Some(r) = recoverer {
+        tag += &format!("-recoverer-{}", r.unwrap_or(0));
+    }
     let Setup {
         store,
         _cleanup,
@@ -448,9 +467,28 @@ fn run(op: Op, kill_at: Option<u64>) -> Option<u64> {
         }
         Some(passed)
     };
+    let recoverer_passed = recoverer.and_then(|r| {
+        let mut p = child("recoverer", &store, &[r.unwrap_or(0).to_string()]);
+        let status = p.child.wait().unwrap();
+        if status.signal() == Some(libc::SIGKILL) {
+            assert!(
+                r.is_some(),
+                "{tag}: recoverer killed though not armed to die"
+            );
+            return None;
+        }
+        assert!(status.success(), "{tag}: recoverer failed: {status}");
+        let said = p.recv();
+        let n: u64 = said.strip_prefix("passed ").unwrap().parse().unwrap();
+        assert!(
+            r.is_none_or(|r| n < r),
+            "{tag}: recoverer passed {n} without dying"
+        );
+        Some(n)
+    });
 
     check(op, &tag, &store, &path, known, pinned, waiter);
-    passed
+    (passed, recoverer_passed)
 }
 
 fn check(
@@ -561,21 +599,35 @@ fn check(
 ///
 /// To look at one kill point: `SHMSTORE_KILL_POINT=k` runs only the `k`th, and
 /// `SHMSTORE_KILL_POINT_BACKTRACE=1` makes the victim print where it dies.
+///
+/// Nested mode (`SHMSTORE_KILL_POINTS_NESTED=1`, a long run: minutes per operation): after
+/// each death, a recoverer process runs `recover` and is itself killed at each of its own
+/// kill points in turn, one run each, before the test process recovers and checks.
+/// `SHMSTORE_RECOVERER_KILL_POINT=j` with `SHMSTORE_KILL_POINT=k` runs one such pair.
 fn every_kill_point(op: Op) {
-    if let Some(k) = std::env::var("SHMSTORE_KILL_POINT")
-        .ok()
-        .and_then(|k| k.parse().ok())
-    {
-        run(op, Some(k));
+    let env = |name: &str| std::env::var(name).ok().and_then(|k| k.parse::<u64>().ok());
+    if let Some(k) = env("SHMSTORE_KILL_POINT") {
+        run(op, Some(k), env("SHMSTORE_RECOVERER_KILL_POINT").map(Some));
         return;
     }
-    let n = run(op, None).expect("the counting run finishes");
+    let nested = std::env::var_os("SHMSTORE_KILL_POINTS_NESTED").is_some();
+    let n = run(op, None, None).0.expect("the counting run finishes");
     assert!(n > 0, "{op:?} passed no kill point: is the feature on?");
-    let mut finished = 0;
+    let (mut finished, mut pairs) = (0, 0);
     for k in 1..=n {
-        if run(op, Some(k)).is_some() {
+        if run(op, Some(k), None).0.is_some() {
             finished += 1;
         }
+        if nested {
+            let m = run(op, Some(k), Some(None)).1.unwrap_or(0);
+            for j in 1..=m {
+                run(op, Some(k), Some(Some(j)));
+            }
+            pairs += m;
+        }
+    }
+    if nested {
+        eprintln!("{op:?}: killed the recoverer at each of its kill points after each death: {pairs} runs");
     }
     // Each kill point is deterministic but a skipped wake (see `run`): nearly all die.
     assert!(
