@@ -56,6 +56,9 @@ enum Op {
     PutFirstSmall,
     /// Put 100 bytes into a slab that holds two objects already.
     PutSmall,
+    /// The same with `put_without_slow_work` and 8 bytes of metadata (the Python
+    /// binding's fast path for small puts, run holding the GIL).
+    PutQuick,
     /// Put 300,000 bytes (pages), with a getter of another process waiting for it.
     PutLarge,
     /// Create 5,000 bytes, write them and abort.
@@ -92,12 +95,13 @@ enum Op {
 }
 
 impl Op {
-    const ALL: [Op; 18] = [
+    const ALL: [Op; 19] = [
         Op::Attach,
         Op::AttachIntoDead,
         Op::Detach,
         Op::PutFirstSmall,
         Op::PutSmall,
+        Op::PutQuick,
         Op::PutLarge,
         Op::CreateAbort,
         Op::GetDrop,
@@ -134,7 +138,7 @@ impl Op {
     /// The subject's length, if the victim creates it.
     fn subject_len(self) -> Option<usize> {
         match self {
-            Op::PutFirstSmall | Op::PutSmall => Some(100),
+            Op::PutFirstSmall | Op::PutSmall | Op::PutQuick => Some(100),
             Op::PutLarge | Op::PutEvicting | Op::PutEvictingSlabs => Some(300_000),
             Op::CreateAbort | Op::Detach | Op::ForkedChild => Some(5_000),
             _ => None,
@@ -247,6 +251,10 @@ fn victim(path: &Path, op: Op, kill_at: Option<u64>) -> u64 {
         | Op::PutEvicting
         | Op::PutEvictingSlabs => {
             store.put(&id(SUBJECT), &subject()).unwrap();
+        }
+        Op::PutQuick => {
+            let done = store.put_without_slow_work(&id(SUBJECT), &subject(), b"metadata");
+            assert!(done.unwrap(), "a store with room declined the quick put");
         }
         Op::CreateAbort => {
             let mut c = store.create_object(&id(SUBJECT), 5_000).unwrap();
@@ -361,7 +369,7 @@ fn set_up(op: Op, run: &str) -> Setup {
     };
     put(BIG.0, BIG.1);
     match op {
-        Op::PutSmall => {
+        Op::PutSmall | Op::PutQuick => {
             put(2, 100);
             put(3, 100);
         }
@@ -725,4 +733,9 @@ fn killed_while_recovering_and_sweeping_what_a_dead_process_left_inside_the_allo
 #[test]
 fn killed_while_deleting_unless_pinned() {
     every_kill_point(Op::DeleteUnpinned);
+}
+
+#[test]
+fn killed_while_putting_on_the_fast_path() {
+    every_kill_point(Op::PutQuick);
 }
