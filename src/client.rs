@@ -39,8 +39,9 @@ pub(crate) const CLIENT_RECOVERING: u64 = 2;
 /// hot path is shared between processes). `stats()` adds these up over the clients plus
 /// the totals of clients that have left (folded into the store's globals when a slot is
 /// released), so it costs O(clients), not O(table). Object and byte counts change only
-/// inside ownership-changing steps, so a client killed mid-way owes a leak sweep, which
-/// corrects any count it left off (see `crate::recovery`).
+/// inside ownership-changing steps, and the fold into the totals is one too, so a client
+/// killed mid-way owes a leak sweep, which corrects any count it left off (see
+/// `crate::recovery`; tests/kill_points.rs kills a process at each write to check it).
 #[repr(C)]
 #[derive(Default)]
 pub(crate) struct Counters {
