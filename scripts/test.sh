@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: unit, integration (real processes: multi-process, crash recovery, a
-# 20 s chaos run, a process killed at every kill point of 19 operations), property and doc
+# 20 s chaos run, a process killed at every kill point of 22 operations), property and doc
 # tests, then the Python package's pytest suite (scripts/python.sh builds it into
 # python/.venv, installing maturin, numpy and pytest from PyPI the first time). Later stages (loom, miri, fuzz) have their own scripts.
 set -euo pipefail

@@ -37,6 +37,11 @@ const BIG: (u8, usize) = (1, 200_000);
 const SUBJECT: u8 = 9;
 /// Another object of a holder (`recover`): created, never sealed.
 const UNSEALED: u8 = 10;
+/// `DeleteEmptiesSlab`: the last object left in a slab that is not its class's current
+/// one (which holds `LAST_IN_SLAB + 1`).
+const LAST_IN_SLAB: u8 = 5;
+/// Objects of this size sit four to a 64 KiB slab.
+const SLAB_OBJECT: usize = 16_000;
 
 fn id(key: u8) -> ObjectId {
     ObjectId::of_key([key])
@@ -92,10 +97,20 @@ enum Op {
     /// attaches the child as a client of its own and pins the inherited view again in
     /// its name), put 5,000 bytes and read the view. The child is the one killed.
     ForkedChild,
+    /// Put 300,000 bytes into a full evicting store where the test process pins `BIG`
+    /// and the first object put after it: the hand marks pinned objects EVICTING, sees
+    /// their pins and moves them back, and must never evict them.
+    PutEvictingPinned,
+    /// Delete the last object of a slab that is not its class's current one: the free
+    /// empties the slab and retires it.
+    DeleteEmptiesSlab,
+    /// Get `BIG` with `get_draining` after the test process pinned and deleted it (vLLM's
+    /// workers read the items of admitted requests this way), read it and drop the view.
+    GetDraining,
 }
 
 impl Op {
-    const ALL: [Op; 19] = [
+    const ALL: [Op; 22] = [
         Op::Attach,
         Op::AttachIntoDead,
         Op::Detach,
@@ -115,6 +130,9 @@ impl Op {
         Op::DeleteUnpinned,
         Op::RawAllocFree,
         Op::ForkedChild,
+        Op::PutEvictingPinned,
+        Op::DeleteEmptiesSlab,
+        Op::GetDraining,
     ];
 
     fn name(self) -> String {
@@ -139,7 +157,9 @@ impl Op {
     fn subject_len(self) -> Option<usize> {
         match self {
             Op::PutFirstSmall | Op::PutSmall | Op::PutQuick => Some(100),
-            Op::PutLarge | Op::PutEvicting | Op::PutEvictingSlabs => Some(300_000),
+            Op::PutLarge | Op::PutEvicting | Op::PutEvictingSlabs | Op::PutEvictingPinned => {
+                Some(300_000)
+            }
             Op::CreateAbort | Op::Detach | Op::ForkedChild => Some(5_000),
             _ => None,
         }
@@ -249,7 +269,8 @@ fn victim(path: &Path, op: Op, kill_at: Option<u64>) -> u64 {
         | Op::PutSmall
         | Op::PutLarge
         | Op::PutEvicting
-        | Op::PutEvictingSlabs => {
+        | Op::PutEvictingSlabs
+        | Op::PutEvictingPinned => {
             store.put(&id(SUBJECT), &subject()).unwrap();
         }
         Op::PutQuick => {
@@ -266,6 +287,12 @@ fn victim(path: &Path, op: Op, kill_at: Option<u64>) -> u64 {
             assert_eq!(&*v, &bytes(u64::from(BIG.0), BIG.1)[..]);
             drop(v);
         }
+        Op::GetDraining => {
+            let v = store.get_draining(&id(BIG.0)).unwrap();
+            assert_eq!(&*v, &bytes(u64::from(BIG.0), BIG.1)[..]);
+            drop(v);
+        }
+        Op::DeleteEmptiesSlab => store.delete(&id(LAST_IN_SLAB)).unwrap(),
         Op::UnpinDeleted => drop(held.take()),
         Op::Delete | Op::DeletePinned => store.delete(&id(BIG.0)).unwrap(),
         Op::Recover | Op::RecoverAndSweep => {
@@ -337,10 +364,10 @@ fn forked_victim(path: &Path, kill_at: Option<u64>) {
 struct Setup {
     store: Store,
     _cleanup: Cleanup,
-    /// Objects put before the victim started, with their bytes.
+    /// Objects put before the victim started (and not deleted), with their bytes.
     known: Vec<(ObjectId, Vec<u8>)>,
-    /// A pin the test process holds on `BIG` (`DeletePinned`).
-    pinned: Option<View>,
+    /// Pins the test process holds while the victim runs, with their objects' bytes.
+    pinned: Vec<(View, Vec<u8>)>,
 }
 
 fn set_up(op: Op, run: &str) -> Setup {
@@ -348,7 +375,10 @@ fn set_up(op: Op, run: &str) -> Setup {
         prefault: false,
         populate_in_background: false,
         huge_pages: HugePages::Off,
-        when_full: if matches!(op, Op::PutEvicting | Op::PutEvictingSlabs) {
+        when_full: if matches!(
+            op,
+            Op::PutEvicting | Op::PutEvictingSlabs | Op::PutEvictingPinned
+        ) {
             WhenFull::Evict
         } else {
             WhenFull::Fail
@@ -373,7 +403,13 @@ fn set_up(op: Op, run: &str) -> Setup {
             put(2, 100);
             put(3, 100);
         }
-        Op::PutEvicting => {
+        Op::DeleteEmptiesSlab => {
+            // Keys 2-5 fill one slab, 6 starts the next (now the class's current one).
+            for key in 2..=LAST_IN_SLAB + 1 {
+                put(key, SLAB_OBJECT);
+            }
+        }
+        Op::PutEvicting | Op::PutEvictingPinned => {
             // Fill the store: 200,000-byte objects until one does not fit.
             let mut key = 20;
             while store.largest_free() >= 200_000 + 4096 {
@@ -389,7 +425,7 @@ fn set_up(op: Op, run: &str) -> Setup {
             // Slabs of 64 KiB, four objects each, until no new slab fits.
             let mut key = 20;
             while store.largest_free() >= 64 << 10 {
-                put(key, 16_000);
+                put(key, SLAB_OBJECT);
                 key += 1;
             }
             let st = store.stats();
@@ -398,7 +434,32 @@ fn set_up(op: Op, run: &str) -> Setup {
         }
         _ => {}
     }
-    let pinned = (op == Op::DeletePinned).then(|| store.try_get(&id(BIG.0)).unwrap());
+    let mut pinned = vec![];
+    let mut pin = |key: u8| {
+        let data = known.iter().find(|(i, _)| *i == id(key)).unwrap().1.clone();
+        pinned.push((store.try_get(&id(key)).unwrap(), data));
+    };
+    match op {
+        Op::DeletePinned => pin(BIG.0),
+        Op::PutEvictingPinned => {
+            // `BIG` and the object after it by address: the hand meets pinned objects
+            // and widening has a pinned neighbour.
+            pin(BIG.0);
+            pin(20);
+        }
+        Op::GetDraining => {
+            pin(BIG.0);
+            store.delete(&id(BIG.0)).unwrap();
+            known.retain(|(i, _)| *i != id(BIG.0));
+        }
+        Op::DeleteEmptiesSlab => {
+            for key in 2..LAST_IN_SLAB {
+                store.delete(&id(key)).unwrap();
+            }
+            known.retain(|(i, _)| !(2..LAST_IN_SLAB).any(|k| *i == id(k)));
+        }
+        _ => {}
+    }
     if op.dead_holder() {
         let kind = if op == Op::RecoverAndSweep {
             "inside-steps"
@@ -505,7 +566,7 @@ fn check(
     store: &Store,
     path: &Path,
     known: Vec<(ObjectId, Vec<u8>)>,
-    pinned: Option<View>,
+    pinned: Vec<(View, Vec<u8>)>,
     waiter: Option<Proc>,
 ) {
     // 1. Recovery leaves nothing owed; the allocator and the table agree.
@@ -525,7 +586,10 @@ fn check(
             op,
             Op::Delete | Op::DeletePinned | Op::UnpinDeleted | Op::DeleteUnpinned
         ) && *id == self::id(BIG.0))
+            || (op == Op::DeleteEmptiesSlab && *id == self::id(LAST_IN_SLAB))
             || matches!(op, Op::PutEvicting | Op::PutEvictingSlabs)
+            // Pinned objects are never evicted: only the others may go.
+            || (op == Op::PutEvictingPinned && pinned.iter().all(|(v, _)| v.id() != *id))
     };
     for (id, data) in &known {
         match store.try_get(id) {
@@ -534,12 +598,8 @@ fn check(
             Err(e) => panic!("{tag}: {id} lost: {e}"),
         }
     }
-    if let Some(v) = &pinned {
-        assert_eq!(
-            &**v,
-            &bytes(u64::from(BIG.0), BIG.1)[..],
-            "{tag}: pinned bytes"
-        );
+    for (v, data) in &pinned {
+        assert_eq!(&**v, &data[..], "{tag}: pinned bytes of {}", v.id());
     }
     let subject = op.subject_len().map(|len| bytes(u64::from(SUBJECT), len));
     match (store.try_get(&id(SUBJECT)), &subject) {
@@ -738,4 +798,19 @@ fn killed_while_deleting_unless_pinned() {
 #[test]
 fn killed_while_putting_on_the_fast_path() {
     every_kill_point(Op::PutQuick);
+}
+
+#[test]
+fn killed_while_evicting_around_pinned_objects() {
+    every_kill_point(Op::PutEvictingPinned);
+}
+
+#[test]
+fn killed_while_deleting_the_last_object_of_a_slab() {
+    every_kill_point(Op::DeleteEmptiesSlab);
+}
+
+#[test]
+fn killed_while_reading_a_deleted_object_another_process_pins() {
+    every_kill_point(Op::GetDraining);
 }
