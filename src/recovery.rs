@@ -46,7 +46,8 @@
 //!   that died between the two, has the bit cleared.
 //!
 //! * a unit that is no slab but has block bits set (a setup killed midway) has them
-//!   cleared, after its pages are taken as a new slab would take them.
+//!   cleared: before its leaked pages are freed, while nobody else can take them (a
+//!   unit whose pages are already free: after taking them as a new slab would).
 //!
 //! All are safe to do after the snapshot while others run: nobody else can touch a
 //! bit that is set and unnamed (claimers only take clear bits; freers only free what an
@@ -393,13 +394,17 @@ impl World<'_> {
             while p < snap.npages && leaked(p) {
                 p += 1;
             }
+            // A setup killed midway left block bits on a unit of these pages: clear them
+            // while the pages are still held, never after they are free.
+            self.alloc.scrub_units_of_leaked_run(first, p);
             if self.alloc.free_leaked_pages(first, p - first).is_ok() {
                 report.leaked_blocks_freed += 1;
                 report.bytes_reclaimed += (p - first) * PAGE;
             }
         }
-        // A unit that is no slab but has block bits set: a setup killed midway (its pages
-        // were freed just above). Clear them so the bitmap says what the state says.
+        // A unit that is no slab but has block bits set and whose pages were free at the
+        // snapshot (left so by a sweeper of an earlier version, killed between freeing
+        // and clearing). Clear them so the bitmap says what the state says.
         for (s, (st, bits)) in snap.slabs.iter().enumerate() {
             if *st == 0 && bits.iter().any(|&b| b != 0) {
                 self.alloc.scrub_unit(s);

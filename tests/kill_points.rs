@@ -18,6 +18,10 @@
 //!    never waiting out its timeout;
 //! 4. deleting everything leaves zero bytes used and the whole heap one free run;
 //! 5. the store still works: a put, a get and a new attachment.
+//!
+//! In the rival mode (`SHMSTORE_KILL_POINTS_RIVAL=1`; `scripts/test.sh` runs both) a
+//! second process reads, checks and pins the scenario's objects throughout each
+//! victim's operation, so the deaths happen under contention too.
 
 mod common;
 
@@ -143,6 +147,14 @@ impl Op {
         *Op::ALL.iter().find(|o| o.name() == s).unwrap()
     }
 
+    /// Whether the victim's put evicts.
+    fn evicts(self) -> bool {
+        matches!(
+            self,
+            Op::PutEvicting | Op::PutEvictingSlabs | Op::PutEvictingPinned
+        )
+    }
+
     /// Whether a getter of another process waits for the subject meanwhile.
     fn waiter(self) -> bool {
         matches!(self, Op::PutSmall | Op::PutLarge | Op::CreateAbort)
@@ -176,10 +188,11 @@ fn child_entry() {
         "victim" => {
             let op = Op::parse(&args[1]);
             let kill_at = args[2].parse::<u64>().ok().filter(|&k| k > 0);
+            let rival = args[3] == "rival";
             if op == Op::ForkedChild {
                 forked_victim(path, kill_at);
             } else {
-                let passed = victim(path, op, kill_at);
+                let passed = victim(path, op, kill_at, rival);
                 say(format!("passed {passed}"));
             }
         }
@@ -195,6 +208,8 @@ fn child_entry() {
             store.recover().unwrap();
             say(format!("passed {}", kill_points::disarm()));
         }
+        // Reads while the victim runs, until the stop file appears (the rival mode).
+        "rival" => rival(path, Path::new(&args[1])),
         // Waits for the subject; reports how the get ended.
         "waiter" => {
             let store = Store::open_path(path).unwrap();
@@ -231,8 +246,94 @@ fn child_entry() {
     }
 }
 
-/// Runs `op` in this (victim) process, armed with `kill_at`; returns the kill points passed.
-fn victim(path: &Path, op: Op, kill_at: Option<u64>) -> u64 {
+/// Keys from 1 up to this one a rival reads: every object a scenario puts, and some it
+/// never does. It also reads its own ([`RIVAL_OWN`]).
+const SCENARIO_KEYS: u8 = 100;
+/// Keys the rival puts and deletes itself (no scenario uses them).
+const RIVAL_OWN: std::ops::RangeInclusive<u8> = 200..=207;
+/// Lengths of the rival's objects: two slab classes and a page run.
+const RIVAL_LENS: [usize; 3] = [100, 3_000, 20_000];
+
+/// The rival mode's second process: until `stop` exists, looks up random keys with
+/// `try_get` or `get_draining`, checks the bytes of every view it gets, and holds up to
+/// two of them for a while (pins the victim's eviction must step around); and puts and
+/// deletes objects of its own keys (100 B to 20 kB: slabs and page runs), so that the
+/// victim's allocator and table steps race with another writer's. Whatever it meets of
+/// the victim's half-done steps must look like a valid object or none.
+fn rival(path: &Path, stop: &Path) {
+    let opts = AttachOptions {
+        recover_on_attach: false, // a dead holder is the victim's to recover
+        populate_in_background: false,
+        ..AttachOptions::default()
+    };
+    let store = Store::open_with(path, &opts).unwrap();
+    let mut x = u64::from(std::process::id()) | 1;
+    let mut held: Vec<View> = vec![];
+    let (mut looks, mut reads) = (0u64, 0u64);
+    let mut said = false;
+    // A test that failed never writes the stop file: then stop when orphaned.
+    let parent = std::os::unix::process::parent_id();
+    while !stop.exists() && std::os::unix::process::parent_id() == parent {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        // Half the looks at a scenario's keys, half at the rival's own.
+        let key = if x & 0x80 == 0 {
+            1 + (x % u64::from(SCENARIO_KEYS)) as u8
+        } else {
+            RIVAL_OWN.start() + (x % 8) as u8
+        };
+        if RIVAL_OWN.contains(&key) && x & 0x4000 == 0 {
+            // Its own key: delete it if it is there, else put it (a full store, or an
+            // evicting one that took it, are answers too).
+            match store.delete(&id(key)) {
+                Ok(()) | Err(Error::NotFound { .. }) => {}
+                Err(e) => panic!("the rival's delete of key {key} failed: {e}"),
+            }
+            let len = RIVAL_LENS[(x >> 20) as usize % RIVAL_LENS.len()];
+            match store.put(&id(key), &bytes(u64::from(key), len)) {
+                Ok(()) | Err(Error::Full { .. }) => {}
+                Err(e) => panic!("the rival's put of key {key} failed: {e}"),
+            }
+            continue;
+        }
+        let got = if x & 0x100 == 0 {
+            store.try_get(&id(key))
+        } else {
+            store.get_draining(&id(key))
+        };
+        looks += 1;
+        match got {
+            Ok(v) => {
+                assert_eq!(
+                    &*v,
+                    &bytes(u64::from(key), v.len())[..],
+                    "the rival read wrong bytes for key {key}"
+                );
+                reads += 1;
+                if held.len() < 2 && x & 0x600 == 0 {
+                    held.push(v);
+                }
+            }
+            Err(Error::NotFound { .. } | Error::CreatorDied { .. }) => {}
+            Err(e) => panic!("the rival's read of key {key} failed: {e}"),
+        }
+        if x & 0x3800 == 0 {
+            held.clear();
+        }
+        if !said {
+            say("reading");
+            said = true;
+        }
+    }
+    drop(held);
+    say(format!("read {reads} of {looks}"));
+}
+
+/// Runs `op` in this (victim) process, armed with `kill_at`; returns the kill points
+/// passed. With a `rival` reading meanwhile, its pins may keep an eviction from room or
+/// an object from `delete_unpinned`: both are answers, not failures, then.
+fn victim(path: &Path, op: Op, kill_at: Option<u64>, rival: bool) -> u64 {
     let subject = || bytes(u64::from(SUBJECT), op.subject_len().unwrap());
     if matches!(op, Op::Attach | Op::AttachIntoDead) {
         kill_points::arm(kill_at);
@@ -270,9 +371,12 @@ fn victim(path: &Path, op: Op, kill_at: Option<u64>) -> u64 {
         | Op::PutLarge
         | Op::PutEvicting
         | Op::PutEvictingSlabs
-        | Op::PutEvictingPinned => {
-            store.put(&id(SUBJECT), &subject()).unwrap();
-        }
+        | Op::PutEvictingPinned => match store.put(&id(SUBJECT), &subject()) {
+            Ok(()) => {}
+            // The rival's pins and objects may leave no room.
+            Err(Error::Full { .. }) if rival => {}
+            Err(e) => panic!("put: {e}"),
+        },
         Op::PutQuick => {
             let done = store.put_without_slow_work(&id(SUBJECT), &subject(), b"metadata");
             assert!(done.unwrap(), "a store with room declined the quick put");
@@ -297,13 +401,22 @@ fn victim(path: &Path, op: Op, kill_at: Option<u64>) -> u64 {
         Op::Delete | Op::DeletePinned => store.delete(&id(BIG.0)).unwrap(),
         Op::Recover | Op::RecoverAndSweep => {
             let report = store.recover().unwrap();
+            if rival && report.clients_recovered == 0 {
+                // The rival met the dead process first (a `Full` recovers) and
+                // recovered it: its work is checked after the victim's.
+                assert!(!report.sweep_pending, "{report:?}");
+                return kill_points::disarm();
+            }
             assert_eq!(report.clients_recovered, 1, "{report:?}");
             if op == Op::RecoverAndSweep {
                 assert!(!report.sweep_pending, "{report:?}");
                 assert!(report.leaked_blocks_freed >= 2, "{report:?}");
             }
         }
-        Op::DeleteUnpinned => assert!(store.delete_unpinned(&id(BIG.0)).unwrap()),
+        Op::DeleteUnpinned => {
+            let deleted = store.delete_unpinned(&id(BIG.0)).unwrap();
+            assert!(deleted || rival, "nothing pins BIG, yet it was not deleted");
+        }
         Op::RawAllocFree => {
             let block = store.raw_alloc(5_000).unwrap();
             store.raw_free(block).unwrap();
@@ -375,10 +488,7 @@ fn set_up(op: Op, run: &str) -> Setup {
         prefault: false,
         populate_in_background: false,
         huge_pages: HugePages::Off,
-        when_full: if matches!(
-            op,
-            Op::PutEvicting | Op::PutEvictingSlabs | Op::PutEvictingPinned
-        ) {
+        when_full: if op.evicts() {
             WhenFull::Evict
         } else {
             WhenFull::Fail
@@ -484,11 +594,20 @@ fn set_up(op: Op, run: &str) -> Setup {
 ///
 /// With `recoverer = Some(r)`, a recoverer process then runs `recover` armed with `r`
 /// (the nested mode of [`every_kill_point`]); the second value returned is the kill
-/// points it passed, if it finished.
-fn run(op: Op, kill_at: Option<u64>, recoverer: Option<Option<u64>>) -> (Option<u64>, Option<u64>) {
+/// points it passed, if it finished. With `rival`, a reader process runs throughout the
+/// victim's operation and stops after its death (the rival mode).
+fn run(
+    op: Op,
+    kill_at: Option<u64>,
+    recoverer: Option<Option<u64>>,
+    rival: bool,
+) -> (Option<u64>, Option<u64>) {
     let mut tag = format!("{}-{}", op.name(), kill_at.unwrap_or(0));
     if let Some(r) = recoverer {
         tag += &format!("-recoverer-{}", r.unwrap_or(0));
+    }
+    if rival {
+        tag += "-rival";
     }
     let Setup {
         store,
@@ -504,10 +623,18 @@ fn run(op: Op, kill_at: Option<u64>, recoverer: Option<Option<u64>>) -> (Option<
         w.wait_until_blocked_in_futex(Duration::from_secs(30));
         w
     });
+    let stop = path.with_extension("stop");
+    let _stop_cleanup = Cleanup(stop.clone());
+    let rival = rival.then(|| {
+        let mut r = child("rival", &store, &[stop.display().to_string()]);
+        assert_eq!(r.recv(), "reading");
+        r
+    });
+    let mode = if rival.is_some() { "rival" } else { "alone" };
     let mut victim = child(
         "victim",
         &store,
-        &[op.name(), kill_at.unwrap_or(0).to_string()],
+        &[op.name(), kill_at.unwrap_or(0).to_string(), mode.into()],
     );
     if op == Op::UnpinDeleted {
         assert_eq!(victim.recv(), "pinned");
@@ -536,6 +663,12 @@ fn run(op: Op, kill_at: Option<u64>, recoverer: Option<Option<u64>>) -> (Option<
         }
         Some(passed)
     };
+    if let Some(mut r) = rival {
+        std::fs::write(&stop, b"").unwrap();
+        let said = r.recv();
+        assert!(said.starts_with("read "), "{tag}: the rival said {said:?}");
+        r.finish();
+    }
     let recoverer_passed = recoverer.and_then(|r| {
         let mut p = child("recoverer", &store, &[r.unwrap_or(0).to_string()]);
         let status = p.child.wait().unwrap();
@@ -569,6 +702,9 @@ fn check(
     pinned: Vec<(View, Vec<u8>)>,
     waiter: Option<Proc>,
 ) {
+    // 0. Another process takes every free page first, as page runs: what the victim left
+    //    half-freed must not be in the way of anyone who takes its pages next.
+    let fill = fill_free_pages(store);
     // 1. Recovery leaves nothing owed; the allocator and the table agree.
     let report = store.recover().unwrap();
     let stats = store.stats();
@@ -576,6 +712,28 @@ fn check(
     store
         .check_invariants()
         .unwrap_or_else(|e| panic!("{tag}: {e}"));
+    for (key, len) in fill {
+        let v = store.try_get(&id(key)).unwrap();
+        assert!(
+            v.len() == len && v.iter().all(|&b| b == key),
+            "{tag}: fill {key}"
+        );
+        drop(v);
+        store.delete(&id(key)).unwrap();
+    }
+    // The rival's own objects (rival mode): exact or gone; then out of the way.
+    for key in RIVAL_OWN {
+        match store.try_get(&id(key)) {
+            Ok(v) => assert_eq!(
+                &*v,
+                &bytes(u64::from(key), v.len())[..],
+                "{tag}: rival's {key}"
+            ),
+            Err(Error::NotFound { .. }) => continue,
+            Err(e) => panic!("{tag}: the rival's {key}: {e}"),
+        }
+        store.delete(&id(key)).unwrap();
+    }
 
     // 2. Nothing half-created; exact bytes or gone.
     for o in store.list() {
@@ -663,6 +821,24 @@ fn check(
     store.check_invariants().unwrap();
 }
 
+/// Keys of [`fill_free_pages`]'s objects.
+const FILL_KEYS: std::ops::RangeInclusive<u8> = 220..=250;
+
+/// Puts page-run objects, each as large as the largest free run, until no run of more
+/// than a slab object's size is left; returns their keys and lengths.
+fn fill_free_pages(store: &Store) -> Vec<(u8, usize)> {
+    let mut put = vec![];
+    for key in FILL_KEYS {
+        let len = store.largest_free() as usize;
+        if len <= 16 << 10 {
+            break;
+        }
+        store.put(&id(key), &vec![key; len]).unwrap();
+        put.push((key, len));
+    }
+    put
+}
+
 /// Counts `op`'s kill points, then kills a victim at each one.
 ///
 /// To look at one kill point: `SHMSTORE_KILL_POINT=k` runs only the `k`th, and
@@ -672,24 +848,36 @@ fn check(
 /// each death, a recoverer process runs `recover` and is itself killed at each of its own
 /// kill points in turn, one run each, before the test process recovers and checks.
 /// `SHMSTORE_RECOVERER_KILL_POINT=j` with `SHMSTORE_KILL_POINT=k` runs one such pair.
+///
+/// Rival mode (`SHMSTORE_KILL_POINTS_RIVAL=1`, every operation; the `..._with_a_rival`
+/// tests run it for some in CI): see [`every_kill_point_with_a_rival`].
 fn every_kill_point(op: Op) {
     let env = |name: &str| std::env::var(name).ok().and_then(|k| k.parse::<u64>().ok());
+    let rival = std::env::var_os("SHMSTORE_KILL_POINTS_RIVAL").is_some()
+        // The rival would take the one free slot the victim must not find.
+        && op != Op::AttachIntoDead;
     if let Some(k) = env("SHMSTORE_KILL_POINT") {
-        run(op, Some(k), env("SHMSTORE_RECOVERER_KILL_POINT").map(Some));
+        let recoverer = env("SHMSTORE_RECOVERER_KILL_POINT").map(Some);
+        run(op, Some(k), recoverer, rival);
         return;
     }
+    if rival {
+        return every_kill_point_with_a_rival(op);
+    }
     let nested = std::env::var_os("SHMSTORE_KILL_POINTS_NESTED").is_some();
-    let n = run(op, None, None).0.expect("the counting run finishes");
+    let n = run(op, None, None, false)
+        .0
+        .expect("the counting run finishes");
     assert!(n > 0, "{op:?} passed no kill point: is the feature on?");
     let (mut finished, mut pairs) = (0, 0);
     for k in 1..=n {
-        if run(op, Some(k), None).0.is_some() {
+        if run(op, Some(k), None, false).0.is_some() {
             finished += 1;
         }
         if nested {
-            let m = run(op, Some(k), Some(None)).1.unwrap_or(0);
+            let m = run(op, Some(k), Some(None), false).1.unwrap_or(0);
             for j in 1..=m {
-                run(op, Some(k), Some(Some(j)));
+                run(op, Some(k), Some(Some(j)), false);
             }
             pairs += m;
         }
@@ -703,6 +891,30 @@ fn every_kill_point(op: Op) {
         "{op:?}: {finished} of {n} runs did not reach their kill point"
     );
     eprintln!("{op:?}: killed at each of {n} kill points ({finished} finished early)");
+}
+
+/// The rival mode: the same kills, while a reader process (the rival) looks up, checks
+/// and pins the scenario's objects throughout the victim's operation. The victim's
+/// kill points then depend on the interleaving (a lost CAS retries; a pin changes what
+/// the hand evicts), so this samples: it kills at each `k` up to the alone count, plus
+/// as far again, and whatever the run, every check after the death holds, and the
+/// rival itself never reads a wrong byte or an error other than "not found" or
+/// `CreatorDied`.
+fn every_kill_point_with_a_rival(op: Op) {
+    let n = run(op, None, None, false)
+        .0
+        .expect("the counting run finishes");
+    let (mut killed, mut finished) = (0, 0);
+    for k in 1..=2 * n {
+        match run(op, Some(k), None, true).0 {
+            None => killed += 1,
+            Some(_) => finished += 1,
+        }
+    }
+    assert!(killed > 0, "{op:?}: no run with a rival died");
+    eprintln!(
+        "{op:?} with a rival: {killed} killed, {finished} finished first ({n} kill points alone)"
+    );
 }
 
 #[test]

@@ -335,6 +335,30 @@ impl Allocator<'_> {
         scrubbed
     }
 
+    /// Clears the block bitmaps of the units wholly inside leaked page run `[first, end)`
+    /// that are no slab (state 0) but have bits set: a setup killed midway, whose pages
+    /// the sweep is about to free. Done *before* the pages are freed, while nobody else
+    /// can take them (they are claimed, and nothing names them): a sweeper killed
+    /// between the two then leaves the pages leaked and the bits clear, which the next
+    /// sweep finishes; the other order left bits on a free unit that anyone could take as
+    /// a page run, after which no sweep could clear them (they are not its to touch
+    /// while others own the pages), and `check_invariants` called the store corrupted.
+    pub(crate) fn scrub_units_of_leaked_run(&self, first: u64, end: u64) {
+        let units = first.div_ceil(PAGES_PER_SLAB)..end / PAGES_PER_SLAB;
+        for s in units {
+            let Some(d) = self.slabs.get(s as usize) else {
+                return;
+            };
+            if d.state.load(Ordering::Acquire) == 0 {
+                for w in &d.bits {
+                    if w.load(Ordering::Relaxed) != 0 {
+                        w.store(0, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+    }
+
     /// Test hook: what a process killed inside new-slab setup leaves (pages claimed, bit 0
     /// set, state never published). Returns whether it found pages for a slab.
     pub(crate) fn begin_slab_setup_only(&self) -> bool {
