@@ -11,6 +11,8 @@
 //! before its `k`th. After each death the test process, attached all along, checks what
 //! the product promises of any crash:
 //!
+//! 0. (first) the test process takes every free page as page runs, so that whatever
+//!    the victim left half-freed meets an owner before recovery runs;
 //! 1. `recover` leaves no dead client and no owed sweep, and `check_invariants` passes;
 //! 2. nothing is left half-created; every object the victim did not touch still holds
 //!    its exact bytes, and the one it touched holds its exact bytes or is gone;
@@ -20,8 +22,8 @@
 //! 5. the store still works: a put, a get and a new attachment.
 //!
 //! In the rival mode (`SHMSTORE_KILL_POINTS_RIVAL=1`; `scripts/test.sh` runs both) a
-//! second process reads, checks and pins the scenario's objects throughout each
-//! victim's operation, so the deaths happen under contention too.
+//! second process reads, checks and pins the scenario's objects, and puts and deletes
+//! its own, throughout each victim's operation, so the deaths happen under contention.
 
 mod common;
 
@@ -292,7 +294,7 @@ fn rival(path: &Path, stop: &Path) {
             }
             let len = RIVAL_LENS[(x >> 20) as usize % RIVAL_LENS.len()];
             match store.put(&id(key), &bytes(u64::from(key), len)) {
-                Ok(()) | Err(Error::Full { .. }) => {}
+                Ok(()) | Err(Error::Full { .. } | Error::TableFull { .. }) => {}
                 Err(e) => panic!("the rival's put of key {key} failed: {e}"),
             }
             continue;
@@ -374,7 +376,7 @@ fn victim(path: &Path, op: Op, kill_at: Option<u64>, rival: bool) -> u64 {
         | Op::PutEvictingPinned => match store.put(&id(SUBJECT), &subject()) {
             Ok(()) => {}
             // The rival's pins and objects may leave no room.
-            Err(Error::Full { .. }) if rival => {}
+            Err(Error::Full { .. } | Error::TableFull { .. }) if rival => {}
             Err(e) => panic!("put: {e}"),
         },
         Op::PutQuick => {
@@ -702,6 +704,19 @@ fn check(
     pinned: Vec<(View, Vec<u8>)>,
     waiter: Option<Proc>,
 ) {
+    // The rival's own objects (rival mode): exact or gone; then out of the way.
+    for key in RIVAL_OWN {
+        match store.try_get(&id(key)) {
+            Ok(v) => assert_eq!(
+                &*v,
+                &bytes(u64::from(key), v.len())[..],
+                "{tag}: rival's {key}"
+            ),
+            Err(Error::NotFound { .. }) => continue,
+            Err(e) => panic!("{tag}: the rival's {key}: {e}"),
+        }
+        store.delete(&id(key)).unwrap();
+    }
     // 0. Another process takes every free page first, as page runs: what the victim left
     //    half-freed must not be in the way of anyone who takes its pages next.
     let fill = fill_free_pages(store);
@@ -719,19 +734,6 @@ fn check(
             "{tag}: fill {key}"
         );
         drop(v);
-        store.delete(&id(key)).unwrap();
-    }
-    // The rival's own objects (rival mode): exact or gone; then out of the way.
-    for key in RIVAL_OWN {
-        match store.try_get(&id(key)) {
-            Ok(v) => assert_eq!(
-                &*v,
-                &bytes(u64::from(key), v.len())[..],
-                "{tag}: rival's {key}"
-            ),
-            Err(Error::NotFound { .. }) => continue,
-            Err(e) => panic!("{tag}: the rival's {key}: {e}"),
-        }
         store.delete(&id(key)).unwrap();
     }
 
