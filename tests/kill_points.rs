@@ -261,7 +261,8 @@ const RIVAL_LENS: [usize; 3] = [100, 3_000, 20_000];
 /// two of them for a while (pins the victim's eviction must step around); and puts and
 /// deletes objects of its own keys (100 B to 20 kB: slabs and page runs), so that the
 /// victim's allocator and table steps race with another writer's. Whatever it meets of
-/// the victim's half-done steps must look like a valid object or none.
+/// the victim's half-done steps must look like a valid object or none. Now and then it
+/// runs `recover` too.
 fn rival(path: &Path, stop: &Path) {
     let opts = AttachOptions {
         recover_on_attach: false, // a dead holder is the victim's to recover
@@ -271,7 +272,7 @@ fn rival(path: &Path, stop: &Path) {
     let store = Store::open_with(path, &opts).unwrap();
     let mut x = u64::from(std::process::id()) | 1;
     let mut held: Vec<View> = vec![];
-    let (mut looks, mut reads) = (0u64, 0u64);
+    let (mut looks, mut reads, mut recovered) = (0u64, 0u64, 0u64);
     let mut said = false;
     // A test that failed never writes the stop file: then stop when orphaned.
     let parent = std::os::unix::process::parent_id();
@@ -285,6 +286,11 @@ fn rival(path: &Path, stop: &Path) {
         } else {
             RIVAL_OWN.start() + (x % 8) as u8
         };
+        if x & 0x1_f000 == 0 {
+            // Now and then, recover: a dead victim may be met by two recoverers at once,
+            // and its recovery race the victim's own steps while it still runs.
+            recovered += store.recover().unwrap().clients_recovered;
+        }
         if RIVAL_OWN.contains(&key) && x & 0x4000 == 0 {
             // Its own key: delete it if it is there, else put it (a full store, or an
             // evicting one that took it, are answers too).
@@ -329,7 +335,7 @@ fn rival(path: &Path, stop: &Path) {
         }
     }
     drop(held);
-    say(format!("read {reads} of {looks}"));
+    say(format!("read {reads} of {looks}, recovered {recovered}"));
 }
 
 /// Runs `op` in this (victim) process, armed with `kill_at`; returns the kill points
@@ -404,15 +410,16 @@ fn victim(path: &Path, op: Op, kill_at: Option<u64>, rival: bool) -> u64 {
         Op::Recover | Op::RecoverAndSweep => {
             let report = store.recover().unwrap();
             if rival && report.clients_recovered == 0 {
-                // The rival met the dead process first (a `Full` recovers) and
-                // recovered it: its work is checked after the victim's.
+                // The rival met the dead process first (it recovers now and then)
+                // and recovered it: its work is checked after the victim's.
                 assert!(!report.sweep_pending, "{report:?}");
                 return kill_points::disarm();
             }
             assert_eq!(report.clients_recovered, 1, "{report:?}");
             if op == Op::RecoverAndSweep {
                 assert!(!report.sweep_pending, "{report:?}");
-                assert!(report.leaked_blocks_freed >= 2, "{report:?}");
+                // (A rival's recovery may run the sweep this one owes first.)
+                assert!(report.leaked_blocks_freed >= 2 || rival, "{report:?}");
             }
         }
         Op::DeleteUnpinned => {
@@ -669,6 +676,9 @@ fn run(
         std::fs::write(&stop, b"").unwrap();
         let said = r.recv();
         assert!(said.starts_with("read "), "{tag}: the rival said {said:?}");
+        if std::env::var_os("SHMSTORE_KILL_POINTS_RIVAL_SAYS").is_some() {
+            eprintln!("{tag}: the rival {said}");
+        }
         r.finish();
     }
     let recoverer_passed = recoverer.and_then(|r| {
