@@ -284,7 +284,7 @@ fn rival(path: &Path, stop: &Path) {
         let key = if x & 0x80 == 0 {
             1 + (x % u64::from(SCENARIO_KEYS)) as u8
         } else {
-            RIVAL_OWN.start() + (x % 8) as u8
+            RIVAL_OWN.start() + (x % RIVAL_OWN.count() as u64) as u8
         };
         if x & 0x1_f000 == 0 {
             // Now and then, recover: a dead victim may be met by two recoverers at once,
@@ -292,8 +292,9 @@ fn rival(path: &Path, stop: &Path) {
             recovered += store.recover().unwrap().clients_recovered;
         }
         if RIVAL_OWN.contains(&key) && x & 0x4000 == 0 {
-            // Its own key: delete it if it is there, else put it (a full store, or an
-            // evicting one that took it, are answers too).
+            // Its own key: replace the object (delete it, if there, then put it anew at
+            // a random length; a full store, or an evicting one that took it, are
+            // answers too).
             match store.delete(&id(key)) {
                 Ok(()) | Err(Error::NotFound { .. }) => {}
                 Err(e) => panic!("the rival's delete of key {key} failed: {e}"),
@@ -339,8 +340,9 @@ fn rival(path: &Path, stop: &Path) {
 }
 
 /// Runs `op` in this (victim) process, armed with `kill_at`; returns the kill points
-/// passed. With a `rival` reading meanwhile, its pins may keep an eviction from room or
-/// an object from `delete_unpinned`: both are answers, not failures, then.
+/// passed. With a `rival` at work meanwhile, its pins and objects may leave a put no
+/// room, its pins keep an object from `delete_unpinned`, and its recovery may come
+/// first: those are answers, not failures, then.
 fn victim(path: &Path, op: Op, kill_at: Option<u64>, rival: bool) -> u64 {
     let subject = || bytes(u64::from(SUBJECT), op.subject_len().unwrap());
     if matches!(op, Op::Attach | Op::AttachIntoDead) {
