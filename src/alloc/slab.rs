@@ -321,7 +321,12 @@ impl Allocator<'_> {
             return false;
         };
         let first = s as u64 * PAGES_PER_SLAB;
-        if d.state.load(Ordering::Acquire) != 0 || self.claim_run(first, PAGES_PER_SLAB).is_err() {
+        let clear = || d.bits.iter().all(|w| w.load(Ordering::Relaxed) == 0);
+        // (Bits already clear: scrubbed with its leaked run, after the sweep's snapshot.)
+        if d.state.load(Ordering::Acquire) != 0
+            || clear()
+            || self.claim_run(first, PAGES_PER_SLAB).is_err()
+        {
             return false;
         }
         let mut scrubbed = false;

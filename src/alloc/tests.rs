@@ -528,3 +528,47 @@ fn threads_allocate_and_free_concurrently() {
     }
     assert_eq!(a.usage().used, 0);
 }
+
+#[test]
+fn a_dead_setups_block_bits_are_cleared_while_its_pages_are_held_or_once_they_are_free() {
+    let h = HeapAllocator::new(4 << 20);
+    let a = h.get();
+    // A setup killed midway: the unit's pages claimed, its first block bit set, no state.
+    assert!(a.begin_slab_setup_only());
+    let s = (0..a.slabs.len())
+        .find(|&s| a.slabs[s].bits[0].load(Ordering::Relaxed) != 0)
+        .unwrap();
+    let first = s as u64 * PAGES_PER_SLAB;
+    assert!(a.audit().is_err(), "bits on a unit that is no slab");
+    // The sweep clears them while the pages are still the dead setup's...
+    a.scrub_units_of_leaked_run(first, first + PAGES_PER_SLAB);
+    assert_eq!(a.slabs[s].bits[0].load(Ordering::Relaxed), 0);
+    assert_eq!(
+        a.next_free(first, first + PAGES_PER_SLAB),
+        None,
+        "pages still held"
+    );
+    // ...and only then frees them.
+    a.free_leaked_pages(first, PAGES_PER_SLAB).unwrap();
+    a.audit().unwrap();
+    // A unit of a run only partly leaked is not touched.
+    a.slabs[s].bits[0].store(1, Ordering::Relaxed);
+    a.scrub_units_of_leaked_run(first + 1, first + PAGES_PER_SLAB);
+    assert_eq!(a.slabs[s].bits[0].load(Ordering::Relaxed), 1);
+    // Bits left on a unit whose pages are free (by an earlier version's sweeper): taken
+    // as a new slab would take the pages, cleared, and the pages given back.
+    assert!(a.scrub_unit(s));
+    a.audit().unwrap();
+    assert!(!a.scrub_unit(s), "nothing left to clear, nothing claimed");
+    // While someone else holds the pages, the bits are not the sweep's to touch.
+    a.slabs[s].bits[0].store(1, Ordering::Relaxed);
+    let run = a.alloc(PAGES_PER_SLAB * PAGE * 2).unwrap();
+    // (First fit from the lowest free page: the run covers the unit.)
+    assert!(run.offset / PAGE <= first && first < (run.offset + run.size) / PAGE);
+    assert!(!a.scrub_unit(s));
+    assert_eq!(a.slabs[s].bits[0].load(Ordering::Relaxed), 1);
+    a.free(run).unwrap();
+    assert!(a.scrub_unit(s));
+    a.audit().unwrap();
+    assert_eq!(a.usage().used, 0);
+}
