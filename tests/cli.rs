@@ -1,5 +1,5 @@
-//! The `shmstore` command-line tool: stat, ls, rm, recover, metrics, and its interface (help,
-//! version, exit codes, JSON).
+//! The `shmstore` command-line tool: stat, ls, check, rm, recover, metrics, and its
+//! interface (help, version, exit codes, JSON).
 
 mod common;
 
@@ -205,7 +205,7 @@ fn stat_reports_a_killed_client_as_dead() {
 
 #[test]
 fn every_subcommand_has_help_version_and_exit_codes() {
-    for sub in ["bench", "stat", "ls", "rm", "recover", "metrics"] {
+    for sub in ["bench", "stat", "ls", "check", "rm", "recover", "metrics"] {
         let (ok, out, err) = shmstore(&[sub, "--help"]);
         assert!(ok, "{sub} --help: {err}");
         assert!(
@@ -289,6 +289,143 @@ fn json_outputs_are_valid_json_with_the_documented_keys() {
     let rec = parse(&["recover", &name, "--json"]);
     assert_eq!(rec["clients_recovered"], 0);
     assert_eq!(rec["sweep_pending"], false);
+    let check = parse(&["check", &name, "--json"]);
+    assert_eq!(check["verdict"], "sound");
+    assert!(check["finding"].is_null(), "{check}");
+    for key in [
+        "looks",
+        "clients_alive",
+        "clients_dead",
+        "objects",
+        "used",
+        "capacity",
+    ] {
+        assert!(check[key].is_u64(), "{key} in {check}");
+    }
+    assert!(check["elapsed_ms"].is_f64(), "{check}");
+}
+
+/// `shmstore check --json` on `name`: whether it exited 0, and the verdict object.
+fn check_json(name: &str) -> (bool, serde_json::Value) {
+    let (ok, out, err) = shmstore(&["check", name, "--json"]);
+    let v = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out} {err}"));
+    (ok, v)
+}
+
+#[test]
+fn check_tells_a_sound_store_from_a_damaged_one() {
+    let name = unique_name("check");
+    let s = Store::create(&name, &StoreConfig::with_capacity(4 << 20)).unwrap();
+    let _cleanup = common::Cleanup(s.path().unwrap().to_path_buf());
+    let a = ObjectId::of_key("a");
+    s.put(&a, &[1; 5000]).unwrap();
+    let pin = s.try_get(&a).unwrap();
+    let creating = s.create_object(&ObjectId::of_key("b"), 10).unwrap();
+    // Sound, with this process attached and holding a pin and an unsealed object.
+    let (ok, out, err) = shmstore(&["check", &name]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("is sound: 1 object(s)") && out.contains("1 other process(es) attached"),
+        "{out}"
+    );
+    // A block the allocator handed out that no table entry names, left behind by a
+    // process that then detached cleanly: what a buggy process could leave.
+    s.raw_alloc(100_000).unwrap();
+    drop((pin, creating, s));
+    // Alone with the store, one look is enough.
+    let (ok, _, err) = shmstore(&["check", &name]);
+    assert!(!ok);
+    assert!(
+        err.contains("is damaged: allocator says 107520 bytes used, table entries own 5120")
+            && err.contains("no other process attached, so nothing in flight")
+            && err.contains(&format!("shmstore rm {name}")),
+        "{err}"
+    );
+    let (ok, v) = check_json(&name);
+    assert!(!ok);
+    assert_eq!(
+        (v["verdict"].as_str(), v["looks"].as_u64()),
+        (Some("damaged"), Some(1))
+    );
+    // With an idle process attached, the same finding in three looks while nothing
+    // changes is damage too.
+    let idle = Store::open(&name).unwrap();
+    let (ok, v) = check_json(&name);
+    assert!(!ok);
+    assert_eq!(
+        (
+            v["verdict"].as_str(),
+            v["looks"].as_u64(),
+            v["clients_alive"].as_u64()
+        ),
+        (Some("damaged"), Some(3), Some(1)),
+        "{v}"
+    );
+    assert!(
+        v["finding"].as_str().unwrap().contains("allocator says"),
+        "{v}"
+    );
+    // A process at work changes the store's figures between looks, and then the same
+    // finding is "busy", not a verdict: its steps in flight could be what the looks see.
+    // Here it only reads, so the finding is the same in every look and only the figures
+    // (its pins, its gets) tell that anything moved.
+    let stop = std::sync::OnceLock::new();
+    std::thread::scope(|t| {
+        t.spawn(|| {
+            while stop.get().is_none() {
+                assert_eq!(idle.try_get(&a).unwrap()[4999], 1);
+            }
+        });
+        let (ok, out, err) = shmstore(&["check", &name]);
+        let (ok_json, v) = check_json(&name);
+        stop.set(()).unwrap();
+        assert!(!ok && err.contains("could not be checked"), "{out} {err}");
+        assert!(!ok_json);
+        assert_eq!(
+            (v["verdict"].as_str(), v["looks"].as_u64()),
+            (Some("busy"), Some(3))
+        );
+    });
+}
+
+#[test]
+fn check_never_calls_a_busy_sound_store_damaged() {
+    let name = unique_name("check-busy");
+    let s = Store::create(&name, &StoreConfig::with_capacity(4 << 20)).unwrap();
+    let _cleanup = common::Cleanup(s.path().unwrap().to_path_buf());
+    // Two threads put, read and delete objects in slabs and page runs as fast as they
+    // can: every look of the checks lands among their steps in flight.
+    let stop = std::sync::OnceLock::new();
+    let verdicts = std::thread::scope(|t| {
+        for w in 0..2u64 {
+            let (s, stop) = (&s, &stop);
+            t.spawn(move || {
+                for n in 0u64.. {
+                    if stop.get().is_some() {
+                        break;
+                    }
+                    let id = ObjectId::of_key(format!("w{w}-{}", n % 16));
+                    let len = [100, 3000, 40_000][(n % 3) as usize];
+                    if s.put(&id, &vec![n as u8; len]).is_ok() {
+                        assert_eq!(s.try_get(&id).unwrap()[len - 1], n as u8);
+                    }
+                    let _ = s.delete(&id);
+                }
+            });
+        }
+        let verdicts: Vec<String> = (0..8)
+            .map(|_| check_json(&name).1["verdict"].as_str().unwrap().to_owned())
+            .collect();
+        stop.set(()).unwrap();
+        verdicts
+    });
+    assert!(
+        verdicts.iter().all(|v| v == "sound" || v == "busy"),
+        "{verdicts:?}"
+    );
+    // Quiet again: sound.
+    let (ok, v) = check_json(&name);
+    assert!(ok && v["verdict"] == "sound", "{v}");
 }
 
 /// One sample's value from an exposition, by its full name and labels as written.

@@ -719,6 +719,40 @@ fn a_recoverer_killed_midway_is_finished_by_the_next_one() {
     store.check_invariants().unwrap();
 }
 
+/// `shmstore check` reads a dead process's half-done step as damage, says that recovery
+/// comes first, and finds the store sound once `shmstore recover` has run.
+#[test]
+fn shmstore_check_sends_an_operator_to_recover_a_dead_process_first() {
+    let (store, _c) = new_store("check-dead", StoreConfig::with_capacity(4 << 20));
+    store.put(&ObjectId::of_key("keep"), &[9u8; 1000]).unwrap();
+    let mut p = child("leak-and-stall", &store, &["300000".to_string()]);
+    assert_eq!(p.recv(), "leaked");
+    kill(p);
+    let path = store.path().unwrap().to_str().unwrap().to_owned();
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_shmstore"))
+            .args(args)
+            .output()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.success(), text(&out.stdout), text(&out.stderr))
+    };
+    let (ok, _, err) = cli(&["check", &path]);
+    assert!(!ok);
+    assert!(
+        err.contains("holds what 1 dead process(es) left half-done")
+            && err.contains("reads as damage until it is recovered (allocator says")
+            && err.contains(&format!("run `shmstore recover {path}`, then check again")),
+        "{err}"
+    );
+    let (ok, out, _) = cli(&["check", &path, "--json"]);
+    assert!(!ok && out.contains(r#""verdict":"unrecovered""#), "{out}");
+    let (ok, out, err) = cli(&["recover", &path]);
+    assert!(ok && out.contains("1 leaked block(s) freed"), "{out} {err}");
+    let (ok, out, err) = cli(&["check", &path]);
+    assert!(ok && out.contains("is sound: 1 object(s)"), "{out} {err}");
+}
+
 #[test]
 fn a_process_killed_inside_the_allocator_leaks_nothing_for_long() {
     let (store, _c) = new_store("sweep", StoreConfig::with_capacity(4 << 20));

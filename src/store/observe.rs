@@ -219,7 +219,10 @@ impl Store {
     /// table entry describes an allocated block inside the heap, no two blocks overlap,
     /// `used` equals the sum of the live blocks, and the counters [`stats`](Self::stats)
     /// reads agree with the table. Expensive (a full scan); meant for tests
-    /// and diagnostics when nothing else is running.
+    /// and diagnostics when nothing else is running: it reads the store as it is, so a
+    /// step another process has in flight, or a dead process's step not yet recovered,
+    /// reads as [`Error::Corrupted`]. `shmstore check NAME` runs it and tells those apart
+    /// from damage (several looks while the store's figures stay put, dead processes named).
     ///
     /// ```
     /// let s = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;

@@ -1,6 +1,6 @@
 //! `shmstore`: the command-line tool. `shmstore bench` is the main job: a benchmark of
 //! the store across real processes, each figure printed beside its floor or peer measured
-//! in the same run. The other subcommands inspect, repair, remove and export a store.
+//! in the same run. The other subcommands inspect, check, repair, remove and export a store.
 //!
 //! Arguments are parsed by clap (derive); JSON goes through serde_json; the Prometheus
 //! exposition through prometheus-client, served over tiny_http (`metrics.rs`).
@@ -72,6 +72,17 @@ enum Command {
         #[arg(long, value_name = "N")]
         limit: Option<u64>,
     },
+    /// Check every invariant of the store (allocator against table, bytes, counters,
+    /// owners) without changing anything: exits 0 if it is sound, 1 if damaged or too busy
+    /// to tell.
+    #[command(after_help = EXIT_CODES)]
+    Check {
+        /// The store.
+        name: String,
+        /// One JSON object (with the verdict: sound, damaged or busy) instead of a sentence.
+        #[arg(long)]
+        json: bool,
+    },
     /// Remove a store's name (checks that it is a store first; attached processes keep
     /// their mapping until they detach).
     #[command(after_help = EXIT_CODES)]
@@ -120,6 +131,7 @@ fn main() -> ExitCode {
         ),
         Command::Stat { name, json } => ("stat", tools::stat(name, *json)),
         Command::Ls { name, json, limit } => ("ls", tools::ls(name, *json, *limit)),
+        Command::Check { name, json } => ("check", tools::check(name, *json)),
         Command::Rm { name } => ("rm", tools::rm(name)),
         Command::Recover { name, json } => ("recover", tools::recover(name, *json)),
         Command::Metrics { name, listen } => ("metrics", metrics::run(name, listen.as_deref())),

@@ -1,11 +1,12 @@
-//! `shmstore stat | ls | rm | recover NAME`: inspect, repair and remove stores. All but
-//! `recover` attach read-only (the kernel forbids them to write payloads); none prefaults.
+//! `shmstore stat | ls | check | rm | recover NAME`: inspect, verify, repair and remove
+//! stores. All but `recover` attach read-only (the kernel forbids them to write payloads)
+//! and change nothing; none prefaults.
 
 use serde::Serialize;
 use shmstore::{AttachOptions, ObjectState, Store};
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A store name, or a path if it contains a '/'.
 pub fn resolve(name: &str) -> PathBuf {
@@ -243,6 +244,136 @@ fn list_to(
     out.flush()
 }
 
+/// How many looks `check` takes before it calls a finding damage while other processes
+/// are attached (one look when none is), and the pause between looks.
+const CHECK_LOOKS: usize = 3;
+const CHECK_PAUSE: Duration = Duration::from_millis(100);
+
+/// What `check` concluded.
+#[derive(Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Verdict {
+    /// A look found every invariant holding.
+    Sound,
+    /// Every look found the same thing wrong, nothing changed in between, and no dead
+    /// process is waiting to be recovered: something broke the store.
+    Damaged,
+    /// As `Damaged`, but dead processes are not recovered yet: a step one of them left
+    /// half-done reads as damage until recovery finishes it (a normal state after a crash).
+    Unrecovered,
+    /// Every look found something wrong, but other processes were changing the store (its
+    /// figures moved, or the findings differed): what they had in flight can look like
+    /// damage.
+    Busy,
+}
+
+/// Checks every invariant of the store (`Store::check_invariants`: allocator bitmaps
+/// against their counts, every table entry against its block, no overlaps, bytes and
+/// counters against the table, nothing held by a detached client). The scan reads the
+/// store as it is, so a step another process has in flight can look like damage: with
+/// others attached, a finding counts only if `CHECK_LOOKS` looks find the same while the
+/// store's figures (`stats`: every count and counter) stay as they were.
+pub fn check(name: &str, json: bool) -> Result<(), String> {
+    let s = attach(name)?;
+    let t0 = Instant::now();
+    let first = s.stats();
+    let mut findings: Vec<String> = Vec::new();
+    // This tool is attached too; do not count it.
+    let mut others = first.clients.saturating_sub(1);
+    let mut moved = false;
+    let verdict = loop {
+        let result = s.check_invariants();
+        let now = s.stats();
+        others = others.max(now.clients.saturating_sub(1));
+        moved |= now != first;
+        match result {
+            Ok(()) => break Verdict::Sound,
+            Err(shmstore::Error::Corrupted { what }) => findings.push(what),
+            Err(e) => return Err(e.to_string()),
+        }
+        if others == 0 || findings.len() == CHECK_LOOKS {
+            break if moved || findings.iter().any(|f| *f != findings[0]) {
+                Verdict::Busy
+            } else if now.dead_clients > 0 || now.sweep_pending {
+                Verdict::Unrecovered
+            } else {
+                Verdict::Damaged
+            };
+        }
+        std::thread::sleep(CHECK_PAUSE);
+    };
+    let st = s.stats();
+    let looks = findings.len() + usize::from(verdict == Verdict::Sound);
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    let finding = findings.pop().unwrap_or_default();
+    if json {
+        let out = CheckJson {
+            verdict,
+            finding: (verdict != Verdict::Sound).then(|| finding.clone()),
+            looks: looks as u64,
+            clients_alive: others,
+            clients_dead: st.dead_clients,
+            sweep_pending: st.sweep_pending,
+            objects: st.objects,
+            used: st.used,
+            capacity: st.capacity,
+            elapsed_ms: ms,
+        };
+        println!("{}", to_json(&out)?);
+    }
+    let path = resolve(name).display().to_string();
+    // How the finding was confirmed: one look alone, or several with nothing moving.
+    let seen = if others == 0 {
+        "no other process attached, so nothing in flight".to_owned()
+    } else {
+        format!(
+            "the same in {looks} looks {} ms apart, with {others} other process(es) attached \
+             and none of them changing anything",
+            CHECK_PAUSE.as_millis()
+        )
+    };
+    let rebuild = format!("remove it (`shmstore rm {name}`) and let the engine create it again");
+    match verdict {
+        Verdict::Sound => {
+            if !json {
+                println!(
+                    "{path} is sound: {} object(s), {} of {} used; checked in {ms:.1} ms \
+                     ({looks} look(s), {others} other process(es) attached)",
+                    st.objects,
+                    human(st.used),
+                    human(st.capacity),
+                );
+            }
+            Ok(())
+        }
+        Verdict::Unrecovered => Err(format!(
+            "{path} holds what {} dead process(es) left half-done{}, which reads as damage \
+             until it is recovered ({finding}; {seen}). Live processes recover it on their \
+             next maintenance; to do it now, run `shmstore recover {name}`, then check again.",
+            st.dead_clients,
+            if st.sweep_pending {
+                " (a leak sweep is owed)"
+            } else {
+                ""
+            }
+        )),
+        Verdict::Damaged if others == 0 => Err(format!(
+            "{path} is damaged: {finding} ({seen}). A process broke the store (a bug, or \
+             garbage written into it): {rebuild}."
+        )),
+        Verdict::Damaged => Err(format!(
+            "{path} is damaged: {finding} ({seen}). Unless one of those processes is stopped \
+             (SIGSTOP, a debugger) in the middle of a step, a process broke the store (a bug, \
+             or garbage written into it): stop them, {rebuild}."
+        )),
+        Verdict::Busy => Err(format!(
+            "{path} could not be checked: {others} other process(es) changed it during the \
+             check, and steps they had in flight read as damage in each of {looks} looks \
+             (the last: {finding}). Run it again when they are idle."
+        )),
+    }
+}
+
 pub fn rm(name: &str) -> Result<(), String> {
     let path = resolve(name);
     // Validate first: never remove a file that is not a shmstore region.
@@ -368,6 +499,21 @@ struct ObjectJson {
     meta_len: u16,
     state: &'static str,
     pins: u64,
+}
+
+/// `check --json`.
+#[derive(Serialize)]
+struct CheckJson {
+    verdict: Verdict,
+    finding: Option<String>,
+    looks: u64,
+    clients_alive: u64,
+    clients_dead: u64,
+    sweep_pending: bool,
+    objects: u64,
+    used: u64,
+    capacity: u64,
+    elapsed_ms: f64,
 }
 
 /// `recover --json`.
