@@ -14,6 +14,9 @@
 #                               clean venv and runs the tests there: no Rust toolchain on
 #                               the PATH, from a directory outside the source tree
 #
+# Every build packs the `shmstore` command-line tool into the package first
+# (scripts/cli-into-package.sh): `pip install` gives the `shmstore` command too.
+#
 # Afterwards: python/.venv/bin/python -c "import shmstore"
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +28,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=(scripts/uv.sh pip install -q --python "$venv/bin/python")
 "${pip[@]}" "maturin>=1.7,<2" "numpy>=1.24" "pytest>=7" "prometheus_client>=0.17"
+scripts/cli-into-package.sh
 (cd python && VIRTUAL_ENV=$venv "$venv/bin/maturin" develop --release -q)
 case "${1:-}" in
   "") echo "installed: $venv/bin/python -c 'import shmstore'" ;;
@@ -51,12 +55,12 @@ case "${1:-}" in
     "$("$py" -c 'import sys; print(sys.executable)')" -m venv "$clean"
     "$clean/bin/pip" install -q --disable-pip-version-check "$wheel[test]"
     # The tests alone, copied where no source tree can shadow the installed package, run
-    # with a PATH that has no Rust toolchain (the command-line exporter is given by path).
+    # with a PATH that has no Rust toolchain: the `shmstore` command they run is the one
+    # the wheel installed (tests/test_cli.py).
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
     cp -r python/tests "$work/tests"
-    [ -x target/debug/shmstore ] || cargo build -q --bin shmstore
-    (cd "$work" && env PATH="$clean/bin:/usr/bin:/bin" SHMSTORE_BIN="$root/target/debug/shmstore" \
+    (cd "$work" && env PATH="$clean/bin:/usr/bin:/bin" \
       sh -c '! command -v cargo >/dev/null && ! command -v rustc >/dev/null || { echo "a Rust toolchain is on the PATH" >&2; exit 1; }
              python -c "import shmstore, sys; assert \"site-packages\" in shmstore.__file__, shmstore.__file__; print(\"testing\", shmstore.__file__)"
              python -m pytest -q -p no:cacheprovider tests')

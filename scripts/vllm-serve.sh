@@ -51,6 +51,7 @@ if [ ! -f "$alias_dir/METADATA" ]; then
     "$version" "$version" > "$alias_dir/RECORD"
 fi
 "${pip[@]}" "maturin>=1.7,<2"
+scripts/cli-into-package.sh
 (cd python && VIRTUAL_ENV=$venv "$venv/bin/maturin" develop --release -q)
 model=$PWD/target/vllm-serve/tiny-qwen2-vl
 if [ ! -f "$model/model.safetensors" ]; then

@@ -28,6 +28,7 @@ if ! "$venv/bin/python" -c "import vllm.multimodal.cache, vllm.v1.serial_utils, 
   "${pip[@]}" --no-deps "vllm==0.34.0"
 fi
 "${pip[@]}" "maturin>=1.7,<2" "pytest>=7"
+scripts/cli-into-package.sh
 (cd python && VIRTUAL_ENV=$venv "$venv/bin/maturin" develop --release -q)
 case "${1:-}" in
   "") echo "installed: $venv/bin/python -c 'import vllm, shmstore.vllm'" ;;

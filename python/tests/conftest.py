@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import uuid
 from typing import IO
@@ -24,6 +25,14 @@ def store_name():
 def store(store_name):
     s = shmstore.Store.create(store_name, 32 << 20, max_objects=1024)
     yield s
+
+
+def shmstore_command() -> str:
+    """The `shmstore` command the package installs beside this interpreter (its console
+    script, which runs the tool the wheel carries)."""
+    exe = os.path.join(sysconfig.get_path("scripts"), "shmstore")
+    assert os.access(exe, os.X_OK), f"{exe}: the package did not install its command"
+    return exe
 
 
 def run_python(code: str, *args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:

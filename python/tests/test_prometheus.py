@@ -1,7 +1,6 @@
 """shmstore.prometheus and `shmstore metrics`, read back by prometheus_client's parsers."""
 
 import os
-import pathlib
 import subprocess
 
 import pytest
@@ -17,9 +16,7 @@ from prometheus_client.openmetrics.parser import (  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import shmstore.prometheus  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
+from conftest import shmstore_command  # noqa: E402
 
 def _samples(families):
     """{(sample name, frozenset(labels)): value} and {family name: type}."""
@@ -81,17 +78,10 @@ def test_the_collector_is_valid_openmetrics(store):
     assert types["shmstore_written_bytes"] == "counter"
 
 
-def _cli() -> str:
-    exe = os.environ.get("SHMSTORE_BIN") or str(ROOT / "target" / "debug" / "shmstore")
-    if not os.path.exists(exe):
-        subprocess.run(["cargo", "build", "--quiet", "--bin", "shmstore"], cwd=ROOT, check=True)
-    return exe
-
-
 def test_the_command_line_exporter_parses_and_matches_the_collector(store_name, store):
     _activity(store)
     out = subprocess.run(
-        [_cli(), "metrics", store_name], capture_output=True, text=True, check=True, timeout=60
+        [shmstore_command(), "metrics", store_name], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     cli_values, cli_types = _samples(parse_openmetrics(out))
     registry = CollectorRegistry()
