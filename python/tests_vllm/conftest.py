@@ -1,7 +1,10 @@
 """Tests of shmstore.vllm against vLLM 0.34's own classes (run by scripts/vllm.sh test)."""
 
+import json
 import os
+import subprocess
 import sys
+import sysconfig
 import uuid
 
 import pytest
@@ -28,8 +31,24 @@ def store_env(monkeypatch):
         "SHMSTORE_VLLM": "1",
         "SHMSTORE_VLLM_LAUNCHER": "test",
     }
+    _assert_left_sound(f"/dev/shm/{name}")
     for f in (name, f"vllm-ring-{name}"):
         try:
             os.unlink(f"/dev/shm/{f}")
         except FileNotFoundError:
             pass
+
+
+def _assert_left_sound(path: str) -> None:
+    """Whatever a test did to its store (workers killed mid-request, front-ends killed and
+    restarted, eviction around stalled readers, items deleted under readers), what it
+    leaves must be sound once the dead are recovered: `shmstore recover` then `shmstore
+    check`, the command the package installs (every invariant of the allocator and the
+    table, and the counters against a full scan)."""
+    cli = os.path.join(sysconfig.get_path("scripts"), "shmstore")
+    for command in (["recover", path], ["check", path, "--json"]):
+        out = subprocess.run([cli, *command], capture_output=True, text=True, timeout=60)
+        if "no store at" in out.stderr:
+            return  # the last process to leave removed it (remove_when_unused)
+        assert out.returncode == 0, f"{path} after the test: {out.stdout} {out.stderr}"
+    assert json.loads(out.stdout)["verdict"] == "sound", out.stdout
