@@ -6,12 +6,14 @@ multimodal cache and then with shmstore's, checking what an operator would see:
   (images first sent, then hits, and a request with two images); different images give
   different answers, so the check sees the pixels the worker got;
 * with shmstore (``shmstore``), the instance's store holds each image once, vLLM counts
-  the hits, ``/metrics`` shows the store, the log names it once, and it is gone after the
-  server shuts down (Ctrl-C), with nothing left in its directory;
+  the hits, ``/metrics`` shows the store, the log names it once, ``shmstore check`` (the
+  command the package installs) finds the running instance's store sound, and it is gone
+  after the server shuts down (Ctrl-C), with nothing left in its directory;
 * with a store of a few images (``shmstore-small``: 4 MiB) and 16 clients at once, and
   vLLM's cache reset four times a second, items are evicted and deleted all the time,
   and every item in use deleted from the store by hand (``Store.delete``) at the same
-  rate, yet every request gets the answer its images got alone, and vLLM runs on
+  rate, yet every request gets the answer its images got alone, vLLM runs on, and the
+  store is sound afterwards (``shmstore check``)
   (``vllm-small`` runs vLLM's own cache the same way, with the resets, on request);
 * an instance whose store the operator named, SIGKILLed and started again with another
   size (``shmstore-restarted``), attaches the store it finds, says that its size is not
@@ -56,6 +58,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -289,6 +292,28 @@ def print_leftovers(r: dict, after: str) -> None:
               "(this check does)")
 
 
+def shmstore_check(path: str) -> dict:
+    """``shmstore check --json`` (the command the package installs) on a running
+    instance's store: every invariant of its allocator and table, and its counters against
+    a full scan. A look while some process is at work is inconclusive ("busy"); the
+    instance is idle between requests, but vLLM's processes may still be finishing a step
+    (the engine core drops a request's pins at its next step), so a busy answer is asked
+    again, a few times, half a second apart."""
+    cli = os.path.join(sysconfig.get_path("scripts"), "shmstore")
+    verdict: dict = {}
+    for _ in range(5):
+        out = subprocess.run([cli, "check", path, "--json"], capture_output=True, text=True,
+                             timeout=120)
+        try:
+            verdict = json.loads(out.stdout)
+        except json.JSONDecodeError:
+            return {"verdict": "error", "finding": out.stderr.strip()}
+        if verdict["verdict"] != "busy":
+            break
+        time.sleep(0.5)
+    return verdict
+
+
 def run(config: str, model: str, shm_dir: str) -> dict:
     use = config.startswith("shmstore")
     killed = config == "shmstore-killed"
@@ -330,6 +355,8 @@ def run(config: str, model: str, shm_dir: str) -> dict:
             result["objects"] = st["objects"]
             result["clients"] = st["clients"] - 1  # this process is one
             result["pins"] = st["pins"]
+        if use and len(found) == 1:
+            result["check"] = shmstore_check(os.path.join(shm_dir, found[0]))
         if config == "shmstore" and len(found) == 1:
             # Every item deleted behind vLLM's back (by hand, or another front-end's
             # reset): the front-end still holds pins from its recent sends, and its next
@@ -472,6 +499,7 @@ def run_under_load(config: str, model: str, shm_dir: str) -> dict:
         if use and len(found) == 1:
             result["stats"] = shmstore.Store.open(os.path.join(shm_dir, found[0]),
                                                   read_only=True).stats()
+            result["check"] = shmstore_check(os.path.join(shm_dir, found[0]))
     finally:
         result["exit"] = server.stop()
         result["stores_after"] = stores(shm_dir)
@@ -734,6 +762,11 @@ def main() -> int:
                 if config == "shmstore-small":
                     check(st is not None and st["evictions"] > 0,
                           "the store was too small for the images, and evicted")
+                    v = r.get("check", {})
+                    check(v.get("verdict") == "sound",
+                          "after the load, `shmstore check` finds the running instance's "
+                          f"store sound ({v.get('verdict')}"
+                          + (f": {v.get('finding')})" if v.get("finding") else ")"))
                 check(r["exit"] == 0, f"vllm serve exits cleanly on Ctrl-C (status {r['exit']})")
                 check(r["stores_after"] == [],
                       f"nothing is left in the store directory ({r['stores_after']})")
@@ -815,6 +848,11 @@ def main() -> int:
                 check(bool(r["stores_running"]) and r.get("objects") == distinct,
                       f"the instance's one store holds each of the {distinct} images once "
                       f"(found {r['stores_running']}, {r.get('objects')} objects)")
+                v = r.get("check", {})
+                check(v.get("verdict") == "sound",
+                      "`shmstore check` finds the running instance's store sound "
+                      f"({v.get('verdict')}"
+                      + (f": {v.get('finding')})" if v.get("finding") else ")"))
                 named = [line for line in r["shmstore_lines"] if "multimodal cache in" in line]
                 check(len(named) == 1 and r["stores_running"][0] in named[0],
                       "the log names the store, once")
