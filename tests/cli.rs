@@ -1,5 +1,5 @@
-//! The `shmstore` command-line tool: stat, ls, check, rm, recover, metrics, and its
-//! interface (help, version, exit codes, JSON).
+//! The `shmstore` command-line tool: stores, stat, ls, check, rm, recover, metrics, and
+//! its interface (help, version, exit codes, JSON).
 
 mod common;
 
@@ -153,6 +153,119 @@ fn rm_removes_a_store_of_an_older_version() {
 }
 
 #[test]
+fn stores_lists_the_stores_of_a_directory_and_the_memory_unused_ones_hold() {
+    let dir = std::path::PathBuf::from("/dev/shm").join(unique_name("stores-dir"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let _cleanup = DirCleanup(dir.clone());
+    let cfg = |cap| StoreConfig {
+        dir: dir.clone(),
+        ..StoreConfig::with_capacity(cap)
+    };
+    // One in use (this process), one left with nobody attached, one of another layout
+    // version, and files that are not stores, hidden or not.
+    let live = Store::create("in-use", &cfg(2 << 20)).unwrap();
+    live.put(&ObjectId::of_key("a"), &[1; 5000]).unwrap();
+    drop(Store::create("left", &cfg(1 << 20)).unwrap());
+    let old = Store::create("old", &cfg(1 << 20)).unwrap();
+    let old_path = old.path().unwrap().to_path_buf();
+    drop(old);
+    {
+        use std::io::{Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&old_path)
+            .unwrap();
+        f.seek(SeekFrom::Start(8)).unwrap();
+        f.write_all(&3u32.to_le_bytes()).unwrap();
+    }
+    // One whose only other process was killed.
+    let crashed = Store::create("crashed", &cfg(1 << 20)).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_shmstore"))
+        .args(["__child", "e2e", crashed.path().unwrap().to_str().unwrap()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert_eq!(first_line(child.stdout.as_mut().unwrap()).trim(), "ready");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    drop(crashed);
+    std::fs::write(dir.join("notes.txt"), b"precious data").unwrap();
+    std::fs::write(dir.join(".hidden"), b"SHMSTORE").unwrap();
+
+    let d = dir.to_str().unwrap();
+    let (ok, out, err) = shmstore(&["stores", d, "--json"]);
+    assert!(ok, "{err}");
+    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let names: Vec<&str> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["crashed", "in-use", "left", "old"], "{out}");
+    let r = &rows[1];
+    assert_eq!(
+        (
+            r["capacity"].as_u64(),
+            r["objects"].as_u64(),
+            r["alive"].as_u64()
+        ),
+        (Some(2 << 20), Some(1), Some(1)),
+        "{r}"
+    );
+    let alive_dead = |r: &serde_json::Value| (r["alive"].as_u64(), r["dead"].as_u64());
+    assert_eq!(alive_dead(&rows[0]), (Some(0), Some(1)), "{out}");
+    assert_eq!(alive_dead(&rows[2]), (Some(0), Some(0)), "{out}");
+    assert!(
+        rows[3]["problem"]
+            .as_str()
+            .unwrap()
+            .contains("layout version 3"),
+        "{out}"
+    );
+
+    let (ok, out, _) = shmstore(&["stores", d]);
+    assert!(ok);
+    let line = |name: &str| {
+        out.lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("{name} in {out}"))
+            .to_owned()
+    };
+    assert!(line("in-use").ends_with("1 alive"), "{out}");
+    assert!(line("left").ends_with("none: unused"), "{out}");
+    assert!(
+        line("crashed").ends_with("none alive, 1 dead: left by a crash"),
+        "{out}"
+    );
+    assert!(
+        out.contains("2 store(s) that no live process uses hold 2.0 MiB"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("notes.txt") && !out.contains(".hidden"),
+        "{out}"
+    );
+    drop(live);
+    let empty = dir.join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let (ok, out, _) = shmstore(&["stores", empty.to_str().unwrap()]);
+    assert!(ok && out.starts_with("no store in"), "{out}");
+    let (ok, _, err) = shmstore(&["stores", dir.join("missing").to_str().unwrap()]);
+    assert!(!ok && err.contains("reading"), "{err}");
+}
+
+/// Removes a directory and everything in it when dropped (even if the test fails).
+struct DirCleanup(std::path::PathBuf);
+
+impl Drop for DirCleanup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
 fn rm_refuses_files_that_are_not_stores() {
     let path = std::path::PathBuf::from("/dev/shm").join(unique_name("notastore"));
     std::fs::write(&path, b"precious data").unwrap();
@@ -205,7 +318,9 @@ fn stat_reports_a_killed_client_as_dead() {
 
 #[test]
 fn every_subcommand_has_help_version_and_exit_codes() {
-    for sub in ["bench", "stat", "ls", "check", "rm", "recover", "metrics"] {
+    for sub in [
+        "bench", "stores", "stat", "ls", "check", "rm", "recover", "metrics",
+    ] {
         let (ok, out, err) = shmstore(&[sub, "--help"]);
         assert!(ok, "{sub} --help: {err}");
         assert!(

@@ -20,7 +20,7 @@ def test_the_command_is_installed_with_the_package_and_matches_its_version():
     assert out.stdout.strip() == f"shmstore {shmstore.__version__}"
     out = _run("--help")
     assert out.returncode == 0 and "Usage: shmstore <COMMAND>" in out.stdout, out.stdout
-    for sub in ("stat", "ls", "check", "recover", "rm", "metrics", "bench"):
+    for sub in ("stores", "stat", "ls", "check", "recover", "rm", "metrics", "bench"):
         assert f"\n  {sub} " in out.stdout, (sub, out.stdout)
 
 

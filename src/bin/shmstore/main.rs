@@ -1,6 +1,6 @@
 //! `shmstore`: the command-line tool. `shmstore bench` is the main job: a benchmark of
 //! the store across real processes, each figure printed beside its floor or peer measured
-//! in the same run. The other subcommands inspect, check, repair, remove and export a store.
+//! in the same run. The other subcommands find, inspect, check, repair, remove and export stores.
 //!
 //! Arguments are parsed by clap (derive); JSON goes through serde_json; the Prometheus
 //! exposition through prometheus-client, served over tiny_http (`metrics.rs`).
@@ -50,6 +50,16 @@ enum Command {
         /// 16 GiB, page tables per process.
         #[arg(long)]
         scale: bool,
+    },
+    /// Every store in a directory (default /dev/shm): capacity, use, objects, processes
+    /// alive and dead; the ones no live process uses, and the memory they hold.
+    #[command(after_help = EXIT_CODES)]
+    Stores {
+        /// The directory (default /dev/shm).
+        dir: Option<String>,
+        /// One JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
     },
     /// Capacity, use, objects, pins, operation counts, clients alive and dead.
     #[command(after_help = EXIT_CODES)]
@@ -129,6 +139,7 @@ fn main() -> ExitCode {
                 scale: *scale,
             }),
         ),
+        Command::Stores { dir, json } => ("stores", tools::stores(dir.as_deref(), *json)),
         Command::Stat { name, json } => ("stat", tools::stat(name, *json)),
         Command::Ls { name, json, limit } => ("ls", tools::ls(name, *json, *limit)),
         Command::Check { name, json } => ("check", tools::check(name, *json)),

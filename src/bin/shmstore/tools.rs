@@ -1,5 +1,5 @@
-//! `shmstore stat | ls | check | rm | recover NAME`: inspect, verify, repair and remove
-//! stores. All but `recover` attach read-only (the kernel forbids them to write payloads)
+//! `shmstore stores [DIR]` and `shmstore stat | ls | check | rm | recover NAME`: find,
+//! inspect, verify, repair and remove stores. All but `recover` attach read-only (the kernel forbids them to write payloads)
 //! and change nothing; none prefaults.
 
 use serde::Serialize;
@@ -170,6 +170,117 @@ pub fn stat(name: &str, json: bool) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// `shmstore stores [DIR]`: every store in a directory (default /dev/shm), with its size,
+/// use and processes, and the ones no live process is attached to (their memory stays
+/// taken until someone removes or reuses them). Other files are passed over; hidden ones
+/// (a creation in progress, or left by a killed creator) too: the next create there
+/// sweeps those.
+pub fn stores(dir: Option<&str>, json: bool) -> Result<(), String> {
+    let dir = PathBuf::from(dir.unwrap_or("/dev/shm"));
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map_err(|e| format!("reading {}: {e}", dir.display()))?
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        .map(|e| e.path())
+        .collect();
+    paths.sort();
+    let rows: Vec<StoreRow> = paths.iter().filter_map(|p| store_row(p)).collect();
+    if json {
+        println!("{}", to_json(&rows)?);
+        return Ok(());
+    }
+    if rows.is_empty() {
+        println!("no store in {}", dir.display());
+        return Ok(());
+    }
+    println!(
+        "{:<40} {:>10} {:>18} {:>9}  processes",
+        "store", "capacity", "used", "objects"
+    );
+    let mut unused = (0, 0u64);
+    for r in &rows {
+        let Some(st) = &r.stats else {
+            println!("{:<40} {}", r.name, r.problem.as_deref().unwrap_or(""));
+            continue;
+        };
+        let who = if st.alive == 0 {
+            unused = (unused.0 + 1, unused.1 + st.capacity);
+            if st.dead > 0 {
+                format!("none alive, {} dead: left by a crash", st.dead)
+            } else {
+                "none: unused".to_owned()
+            }
+        } else if st.dead > 0 {
+            format!("{} alive, {} dead", st.alive, st.dead)
+        } else {
+            format!("{} alive", st.alive)
+        };
+        println!(
+            "{:<40} {:>10} {:>18} {:>9}  {who}",
+            r.name,
+            human(st.capacity),
+            format!(
+                "{} ({:.0}%)",
+                human(st.used),
+                100.0 * st.used as f64 / st.capacity.max(1) as f64
+            ),
+            st.objects
+        );
+    }
+    if unused.0 > 0 {
+        println!(
+            "\n{} store(s) that no live process uses hold {} of memory (a crashed run's, or \
+             kept on purpose): attaching reuses one, with what it holds; `shmstore rm NAME` \
+             frees it.",
+            unused.0,
+            human(unused.1)
+        );
+    }
+    Ok(())
+}
+
+/// One line of `shmstore stores`: `None` for a file that is not a store.
+fn store_row(path: &std::path::Path) -> Option<StoreRow> {
+    let name = path.file_name()?.to_string_lossy().into_owned();
+    let opts = AttachOptions {
+        prefault: false,
+        read_only: true,
+        get_spin: Duration::ZERO,
+        recover_on_attach: false,
+        ..Default::default()
+    };
+    let (stats, problem) = match Store::open_with(path, &opts) {
+        Ok(s) => {
+            let st = s.stats();
+            let stats = StoreFigures {
+                capacity: st.capacity,
+                used: st.used,
+                objects: st.objects,
+                // This tool is attached too; do not count it.
+                alive: st.clients.saturating_sub(1),
+                dead: st.dead_clients,
+            };
+            (Some(stats), None)
+        }
+        Err(shmstore::Error::NotAStore { .. }) => return None,
+        Err(shmstore::Error::VersionMismatch { found, .. }) => (
+            None,
+            Some(format!(
+                "a store of layout version {found} (another shmstore version): `shmstore rm \
+                 {name}` removes it once no process uses it"
+            )),
+        ),
+        Err(e) => (None, Some(e.to_string())),
+    };
+    Some(StoreRow {
+        name,
+        path: path.display().to_string(),
+        stats,
+        problem,
+    })
 }
 
 pub fn ls(name: &str, json: bool, limit: Option<u64>) -> Result<(), String> {
@@ -499,6 +610,29 @@ struct ObjectJson {
     meta_len: u16,
     state: &'static str,
     pins: u64,
+}
+
+/// One store of `stores --json`.
+#[derive(Serialize)]
+struct StoreRow {
+    name: String,
+    path: String,
+    /// `None` when it could not be opened (then `problem` says why).
+    #[serde(flatten)]
+    stats: Option<StoreFigures>,
+    problem: Option<String>,
+}
+
+/// What `stores` shows of a store it opened.
+#[derive(Serialize)]
+struct StoreFigures {
+    capacity: u64,
+    used: u64,
+    objects: u64,
+    /// Live processes attached (not counting the tool).
+    alive: u64,
+    /// Dead ones not yet recovered.
+    dead: u64,
 }
 
 /// `check --json`.
