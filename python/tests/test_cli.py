@@ -3,6 +3,7 @@ through the console script, on stores this process uses."""
 
 import json
 import subprocess
+import sys
 
 import shmstore
 from conftest import run_python, shmstore_command
@@ -22,6 +23,14 @@ def test_the_command_is_installed_with_the_package_and_matches_its_version():
     assert out.returncode == 0 and "Usage: shmstore <COMMAND>" in out.stdout, out.stdout
     for sub in ("stores", "stat", "ls", "check", "recover", "rm", "metrics", "bench"):
         assert f"\n  {sub} " in out.stdout, (sub, out.stdout)
+
+
+def test_python_dash_m_shmstore_is_the_same_command():
+    out = subprocess.run(
+        [sys.executable, "-m", "shmstore", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"shmstore {shmstore.__version__}"
 
 
 def test_stat_ls_and_check_see_what_this_process_put(store_name, store):
