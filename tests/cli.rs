@@ -3,21 +3,9 @@
 
 mod common;
 
-use common::unique_name;
+use common::{shmstore_cli as shmstore, unique_name};
 use shmstore::{ObjectId, Store, StoreConfig};
 use std::process::{Command, Stdio};
-
-fn shmstore(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_shmstore"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 /// The first line a child writes to one of its pipes (read without waiting for the rest).
 fn first_line(pipe: impl std::io::Read) -> String {

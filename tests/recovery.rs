@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{child, child_role, hear, say, Cleanup, Proc};
+use common::{child, child_role, hear, say, shmstore_cli, Cleanup, Proc};
 use shmstore::{Error, ObjectId, Store, StoreConfig};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -729,15 +729,7 @@ fn shmstore_check_sends_an_operator_to_recover_a_dead_process_first() {
     assert_eq!(p.recv(), "leaked");
     kill(p);
     let path = store.path().unwrap().to_str().unwrap().to_owned();
-    let cli = |args: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_shmstore"))
-            .args(args)
-            .output()
-            .unwrap();
-        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-        (out.status.success(), text(&out.stdout), text(&out.stderr))
-    };
-    let (ok, _, err) = cli(&["check", &path]);
+    let (ok, _, err) = shmstore_cli(&["check", &path]);
     assert!(!ok);
     assert!(
         err.contains("holds what 1 dead process(es) left half-done")
@@ -745,11 +737,11 @@ fn shmstore_check_sends_an_operator_to_recover_a_dead_process_first() {
             && err.contains(&format!("run `shmstore recover {path}`, then check again")),
         "{err}"
     );
-    let (ok, out, _) = cli(&["check", &path, "--json"]);
+    let (ok, out, _) = shmstore_cli(&["check", &path, "--json"]);
     assert!(!ok && out.contains(r#""verdict":"unrecovered""#), "{out}");
-    let (ok, out, err) = cli(&["recover", &path]);
+    let (ok, out, err) = shmstore_cli(&["recover", &path]);
     assert!(ok && out.contains("1 leaked block(s) freed"), "{out} {err}");
-    let (ok, out, err) = cli(&["check", &path]);
+    let (ok, out, err) = shmstore_cli(&["check", &path]);
     assert!(ok && out.contains("is sound: 1 object(s)"), "{out} {err}");
 }
 

@@ -159,6 +159,19 @@ pub fn child(role: &str, store: &shmstore::Store, extra: &[String]) -> Proc {
     spawn(CHILD_ENTRY, role, &args)
 }
 
+/// Runs the `shmstore` command-line tool: whether it exited 0, its stdout and its stderr.
+pub fn shmstore_cli(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_shmstore"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// A unique store name for this test run.
 pub fn unique_name(tag: &str) -> String {
     // Tags are unique per test; the pid separates concurrent test binaries.

@@ -22,15 +22,19 @@ pub fn attach(name: &str) -> Result<Store, String> {
 }
 
 fn attach_with(name: &str, read_only: bool) -> Result<Store, String> {
-    let opts = AttachOptions {
+    Store::open_with(resolve(name), &tool_options(read_only)).map_err(|e| e.to_string())
+}
+
+/// How the tools attach: nothing prefaulted, no spinning, and no recovery on attach
+/// (`recover` wants the report of what it reclaimed; the others only look).
+fn tool_options(read_only: bool) -> AttachOptions {
+    AttachOptions {
         prefault: false,
         read_only,
         get_spin: Duration::ZERO,
-        // `recover` wants the report of what it reclaimed; the others only look.
         recover_on_attach: false,
         ..Default::default()
-    };
-    Store::open_with(resolve(name), &opts).map_err(|e| e.to_string())
+    }
 }
 
 fn human(b: u64) -> String {
@@ -245,14 +249,7 @@ pub fn stores(dir: Option<&str>, json: bool) -> Result<(), String> {
 /// One line of `shmstore stores`: `None` for a file that is not a store.
 fn store_row(path: &std::path::Path) -> Option<StoreRow> {
     let name = path.file_name()?.to_string_lossy().into_owned();
-    let opts = AttachOptions {
-        prefault: false,
-        read_only: true,
-        get_spin: Duration::ZERO,
-        recover_on_attach: false,
-        ..Default::default()
-    };
-    let (stats, problem) = match Store::open_with(path, &opts) {
+    let (stats, problem) = match Store::open_with(path, &tool_options(true)) {
         Ok(s) => {
             let st = s.stats();
             let stats = StoreFigures {
@@ -488,15 +485,7 @@ pub fn check(name: &str, json: bool) -> Result<(), String> {
 pub fn rm(name: &str) -> Result<(), String> {
     let path = resolve(name);
     // Validate first: never remove a file that is not a shmstore region.
-    let others = match Store::open_with(
-        &path,
-        &AttachOptions {
-            prefault: false,
-            read_only: true,
-            recover_on_attach: false,
-            ..Default::default()
-        },
-    ) {
+    let others = match Store::open_with(&path, &tool_options(true)) {
         Ok(s) => s.stats().clients.saturating_sub(1),
         // A store of another shmstore version (left from before an upgrade): the magic
         // says it is one; the kernel's locks say whether anyone is attached.
