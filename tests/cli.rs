@@ -492,6 +492,26 @@ fn check_tells_a_sound_store_from_a_damaged_one() {
 }
 
 #[test]
+fn check_is_not_fooled_by_the_creators_rebuild_of_its_pages() {
+    // The creator's background thread rebuilds the heap as 2 MiB pages for a while after
+    // create, moving `huge_page_bytes`: that is no operation in flight, and damage found
+    // meanwhile is damage, not "busy".
+    let name = unique_name("check-rebuild");
+    let s = Store::create(&name, &StoreConfig::with_capacity(1 << 30)).unwrap();
+    let _cleanup = common::Cleanup(s.path().unwrap().to_path_buf());
+    s.raw_alloc(100_000).unwrap();
+    let before = s.stats().huge_page_bytes;
+    let (ok, v) = check_json(&name);
+    let after = s.stats().huge_page_bytes;
+    assert!(!ok);
+    assert_eq!(
+        (v["verdict"].as_str(), v["looks"].as_u64()),
+        (Some("damaged"), Some(3)),
+        "{v} (heap rebuilt as 2 MiB pages: {before} then {after} bytes)"
+    );
+}
+
+#[test]
 fn check_never_calls_a_busy_sound_store_damaged() {
     let name = unique_name("check-busy");
     let s = Store::create(&name, &StoreConfig::with_capacity(4 << 20)).unwrap();
