@@ -466,17 +466,23 @@ pub fn check(name: &str, json: bool) -> Result<(), String> {
             }
             Ok(())
         }
-        Verdict::Unrecovered => Err(format!(
-            "{path} holds what {} dead process(es) left half-done{}, which reads as damage \
-             until it is recovered ({finding}; {seen}). Live processes recover it on their \
-             next maintenance; to do it now, run `shmstore recover {name}`, then check again.",
-            st.dead_clients,
-            if st.sweep_pending {
-                " (a leak sweep is owed)"
-            } else {
-                ""
-            }
-        )),
+        Verdict::Unrecovered => {
+            let what = match (st.dead_clients, st.sweep_pending) {
+                (0, _) => "blocks that processes killed inside allocator steps left, which \
+                           only the leak sweep frees (owed, and not run yet: processes were \
+                           allocating)"
+                    .to_owned(),
+                (n, true) => {
+                    format!("what {n} dead process(es) left half-done (and a leak sweep is owed)")
+                }
+                (n, false) => format!("what {n} dead process(es) left half-done"),
+            };
+            Err(format!(
+                "{path} holds {what}, which reads as damage until it is recovered \
+                 ({finding}; {seen}). Live processes recover it on their next maintenance; \
+                 to do it now, run `shmstore recover {name}`, then check again."
+            ))
+        }
         Verdict::Damaged if others == 0 => Err(format!(
             "{path} is damaged: {finding} ({seen}). A process broke the store (a bug, or \
              garbage written into it): {rebuild}."
