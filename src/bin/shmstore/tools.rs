@@ -420,6 +420,8 @@ pub fn check(name: &str, json: bool) -> Result<(), String> {
                 Verdict::Damaged
             };
         }
+        // The pause is the method, not a race papered over: a step in flight finishes
+        // (or moves the figures) within it, while damage stays the same.
         std::thread::sleep(CHECK_PAUSE);
     };
     let st = s.stats();
