@@ -228,8 +228,9 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
             st = s.stats()
             logger.info(
                 "shmstore: multimodal cache in %s (%s, %s pages, shared by every "
-                "front-end and worker of this vLLM instance)", name, _size(capacity),
-                _page_kind(st))
+                "front-end and worker of this vLLM instance; `shmstore stat %s` and "
+                "`shmstore check %s` look into it)", name, _size(capacity),
+                _page_kind(st), name, name)
             if st["page_size"] <= 4096:
                 logger.info(
                     "shmstore: this process rebuilds the store's pages as 2 MiB pages in "
