@@ -1,6 +1,6 @@
 //! `shmstore stores [DIR]` and `shmstore stat | ls | check | rm | recover NAME`: find,
-//! inspect, verify, repair and remove stores. All but `recover` attach read-only (the kernel forbids them to write payloads)
-//! and change nothing; none prefaults.
+//! inspect, verify, repair and remove stores. All but `recover` attach read-only (the
+//! kernel forbids them to write payloads) and change nothing; none prefaults.
 
 use serde::Serialize;
 use shmstore::{AttachOptions, ObjectState, Store};
@@ -392,7 +392,7 @@ enum Verdict {
 /// counters against the table, nothing held by a detached client). The scan reads the
 /// store as it is, so a step another process has in flight can look like damage: with
 /// others attached, a finding counts only if `CHECK_LOOKS` looks find the same while the
-/// store's figures (`stats`: every count and counter) stay as they were.
+/// store's figures stay as they were (`activity`: every count and counter of `stats`).
 pub fn check(name: &str, json: bool) -> Result<(), String> {
     let s = attach(name)?;
     let t0 = Instant::now();
