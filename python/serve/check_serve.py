@@ -20,7 +20,8 @@ multimodal cache and then with shmstore's, checking what an operator would see:
   the one asked for, and what it stored before is a hit; a third instance sharing the
   store gets hits too, and the store goes with the last of them to exit;
 * an instance with spawned workers (``shmstore-killed``; the others fork them, vLLM's
-  default) gives the same answers, and killed with SIGKILL, leaves its store behind; the
+  default) gives the same answers, and killed with SIGKILL, leaves its store behind,
+  which ``shmstore stores`` lists with no live process and the instance's three dead; the
   next instance's start removes it. What vLLM itself left in /dev/shm (its message
   queues' segments, which nothing removes after a crash) is printed beside it, then
   removed, so that runs do not pile them up;
@@ -376,6 +377,22 @@ def run(config: str, model: str, shm_dir: str) -> dict:
     finally:
         result["exit"] = server.kill() if killed else server.stop()
         result["stores_after"] = stores(shm_dir)
+        if killed:
+            # What an operator sees of the killed instance's store: `shmstore stores`. The
+            # instance's other processes may still be exiting (only its first is waited
+            # for), and a process counts as alive until the kernel closes its files: look
+            # again, a quarter of a second apart, until none is (10 s at most).
+            cli = os.path.join(sysconfig.get_path("scripts"), "shmstore")
+            for _ in range(40):
+                out = subprocess.run([cli, "stores", shm_dir, "--json"], capture_output=True,
+                                     text=True, timeout=120)
+                if out.returncode != 0:
+                    result["listed"] = out.stderr
+                    break
+                result["listed"] = json.loads(out.stdout)
+                if all(row.get("alive") == 0 for row in result["listed"]):
+                    break
+                time.sleep(0.25)
         result["dev_shm_left"] = left_in_dev_shm(before, shm_dir)
         result["rpc_left"] = server.rpc_left
         result["shmstore_lines"] = server.lines("shmstore:")
@@ -803,6 +820,12 @@ def main() -> int:
                 left_by_crash = r["stores_after"]
                 check(len(left_by_crash) == 1 and r["stores_after"] == r["stores_running"],
                       f"a killed instance leaves its store behind ({left_by_crash})")
+                listed = r.get("listed")
+                row = (listed[0] if isinstance(listed, list) and len(listed) == 1
+                       and listed[0].get("name") in left_by_crash else None)
+                check(row is not None and row.get("alive") == 0 and row.get("dead", 0) >= 3,
+                      "`shmstore stores` lists it with no live process and the instance's "
+                      f"front-end, engine core and worker dead ({listed})")
                 if failures:
                     print(r["log"])
                     break
