@@ -791,6 +791,7 @@ fn a_process_killed_inside_the_allocator_leaks_nothing_for_long() {
 fn a_sweep_never_frees_what_another_thread_of_the_sweeper_is_allocating() {
     let (store, _c) = new_store("sweep-threads", StoreConfig::with_capacity(16 << 20));
     let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    let (running_tx, running_rx) = std::sync::mpsc::channel::<()>();
     // Another thread of this process keeps creating and deleting objects: at any moment it
     // may hold a block that no entry names yet (between its allocation and its insert).
     let worker = {
@@ -803,10 +804,16 @@ fn a_sweep_never_frees_what_another_thread_of_the_sweeper_is_allocating() {
                 assert_eq!(store.try_get(&id).unwrap()[0], n as u8);
                 store.delete(&id).unwrap();
                 n += 1;
+                if n == 1 {
+                    let _ = running_tx.send(());
+                }
             }
             n
         })
     };
+    // The kills below must land while it runs: wait for its first round (on a loaded
+    // machine it once had not finished one by the time they were done).
+    running_rx.recv().unwrap();
     // Owe sweeps (processes killed inside allocator steps) and try them while it runs.
     for _ in 0..5 {
         let mut p = child("leak-and-stall", &store, &["5000".to_string()]);
