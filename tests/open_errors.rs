@@ -204,3 +204,19 @@ fn extreme_settings_are_errors_or_work_never_panics() {
     s.put(&id, b"here").unwrap();
     assert_eq!(&*s.get(&id, std::time::Duration::MAX).unwrap(), b"here");
 }
+
+/// The `hostile_region` fuzz target scribbles over a store the harness has filled, then
+/// runs every operation on it. Without scribbles the harness must do what it says: a
+/// store mostly full of page runs, whose large puts then meet `Full` (and evict, on the
+/// evicting store), and which comes out sound.
+#[test]
+fn the_scribble_harness_fills_its_store_before_it_scribbles() {
+    let figures = shmstore::testing::scribble_and_exercise(&[]);
+    let (failing, evicting) = (&figures[0], &figures[1]);
+    assert!(failing.full_events > 0, "{failing:?}");
+    assert!(evicting.evictions > 0, "{evicting:?}");
+    // Scribbles over the table and the allocator's words: errors or work, never a crash.
+    for (at, byte) in [(4096u32, 0xffu8), (8192, 0x01), (12_288, 0x80), (300, 0x7f)] {
+        let _ = shmstore::testing::scribble_and_exercise(&[(at, vec![byte; 64])]);
+    }
+}

@@ -7,5 +7,5 @@ use shmstore::testing::scribble_and_exercise;
 
 fuzz_target!(|writes: Vec<(u32, Vec<u8>)>| {
     let writes: Vec<_> = writes.into_iter().take(16).collect();
-    scribble_and_exercise(&writes);
+    let _ = scribble_and_exercise(&writes);
 });
