@@ -212,9 +212,11 @@ fn extreme_settings_are_errors_or_work_never_panics() {
 #[test]
 fn the_scribble_harness_fills_its_store_before_it_scribbles() {
     let figures = shmstore::testing::scribble_and_exercise(&[]);
-    let (failing, evicting) = (&figures[0], &figures[1]);
+    let ((failing, failing_sound), (evicting, evicting_sound)) = (&figures[0], &figures[1]);
     assert!(failing.full_events > 0, "{failing:?}");
     assert!(evicting.evictions > 0, "{evicting:?}");
+    assert!(failing_sound.is_ok(), "{failing_sound:?}");
+    assert!(evicting_sound.is_ok(), "{evicting_sound:?}");
     // Scribbles over the table and the allocator's words: errors or work, never a crash.
     for (at, byte) in [(4096u32, 0xffu8), (8192, 0x01), (12_288, 0x80), (300, 0x7f)] {
         let _ = shmstore::testing::scribble_and_exercise(&[(at, vec![byte; 64])]);
