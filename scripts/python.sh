@@ -53,7 +53,9 @@ case "${1:-}" in
     clean=$root/target/wheel-venv
     rm -rf "$clean"
     "$("$py" -c 'import sys; print(sys.executable)')" -m venv "$clean"
-    "$clean/bin/pip" install -q --disable-pip-version-check "$wheel[test]"
+    # The test extras at the versions the other venvs use (scripts/uv.sh, "Pinned").
+    "$clean/bin/pip" install -q --disable-pip-version-check \
+      --constraint python/constraints/venv.txt "$wheel[test]"
     # The tests alone, copied where no source tree can shadow the installed package, run
     # with a PATH that has no Rust toolchain: the `shmstore` command they run is the one
     # the wheel installed (tests/test_cli.py).
