@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 target=${1:?usage: scripts/fuzz.sh TARGET SECONDS}
 secs=${2:-60}
 rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
-command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+# The release the campaigns in docs/verification.md ran with: a newer one may need a newer
+# compiler than the machine's stable Rust, which builds it.
+command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --version 0.13.2 --locked
 mkdir -p "fuzz/corpus/$target"
 # -rss_limit_mb: the harness maps a small store per run; -timeout: a hang is a failure.
 cargo +nightly fuzz run "$target" "fuzz/corpus/$target" -- \
