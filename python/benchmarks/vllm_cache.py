@@ -149,6 +149,7 @@ class Instance:
         self.sender = make_sender(kind, self.config)
         self.encoder = MsgpackEncoder()
         self.cache_cpu = 0.0  # seconds of this thread's CPU in the cache and the codec
+        self.reported_cached = 0  # items the sender's ``is_cached`` answered True for
         ctx = mp.get_context("fork")
         self.conn, child = ctx.Pipe()
         self.engine = ctx.Process(target=engine_main, args=(kind, self.config, child, n, env, "fork"))
@@ -160,6 +161,7 @@ class Instance:
         s = self.sender
         t0 = time.thread_time()
         cached = s.is_cached(hashes)
+        self.reported_cached += sum(cached)
         for h in hashes:
             s.touch_sender_cache_item(h)
         outs = []
@@ -238,12 +240,21 @@ def measure(kind, n, item_kind, rounds, env, cache_gb):
             # as much CPU as 768 burst items, and fell on whichever cache ran at the time.
             gc.collect()
             p0, (e0, w0), c0 = cpu_s(), inst.cpu(), inst.cache_cpu
+            cached0 = inst.reported_cached
             for items in sets:
                 t = time.perf_counter()
                 recv.append(inst.request(items) / per_item)
                 lat.append((time.perf_counter() - t) / per_item)
             p1, (e1, w1), c1 = cpu_s(), inst.cpu(), inst.cache_cpu
             k = len(sets) * per_item
+            # Each phase is what it says, or its figures are not printed: a first send of
+            # items no cache holds, a hit on items every cache still holds (a cache that
+            # evicted them would time resends under "hit").
+            cached = inst.reported_cached - cached0
+            if cached != (k if phase == "hit" else 0):
+                raise RuntimeError(
+                    f"{kind}, {item_kind}, {n} workers: the {phase} phase found {cached} of "
+                    f"{k} items cached, not {k if phase == 'hit' else 0}")
             out[phase] = {
                 "latency_ms_p50": 1e3 * statistics.median(lat),
                 "receiver_ms_p50": 1e3 * statistics.median(recv),
