@@ -3,8 +3,8 @@
 # the library, the `shmstore` tool, tests, examples and benchmarks (the kill-point build
 # included), and the Python bindings. Installs that toolchain the first time (~30 s).
 #
-# Checked, not run: the code does not depend on the compiler's version, the dependency
-# versions in Cargo.lock do (a release that needs a newer compiler stops the build with
+# Built, not run: what breaks on an older compiler is the build, mostly through the
+# dependency versions Cargo.lock pins (a release that needs a newer compiler stops it with
 # "requires rustc 1.88"; session 31 found proptest 1.12 doing that to the tests).
 # `[workspace] resolver = "3"` keeps `cargo update` from locking such a release again.
 # Loom (built only with `--cfg loom`, CI's own stage) is not covered: its `generator`
