@@ -369,12 +369,23 @@ impl Harness {
         Ok(())
     }
 
-    /// Every invariant: held views unchanged (even after their object was deleted), the
+    /// Every invariant: held views unchanged (even after their object was deleted) and
+    /// current exactly while their key names their object (`View::is_current`), the
     /// allocator and table consistent (`check_invariants`), and stats equal to the model.
     pub fn check(&self) -> Result<(), String> {
-        for (v, want, _) in &self.views {
+        for (v, want, inc) in &self.views {
             if &v[..] != want.as_slice() {
                 return Err(format!("a pinned view of {} changed", v.id()));
+            }
+            // Incarnations are unique across keys: the view's object is the one its key
+            // names while the model still holds that incarnation as sealed.
+            let current = self.sealed.values().any(|s| s.1 == *inc);
+            if v.is_current() != current {
+                return Err(format!(
+                    "a view of {} says is_current {}, the model {current}",
+                    v.id(),
+                    v.is_current()
+                ));
             }
         }
         self.store

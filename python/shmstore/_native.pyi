@@ -130,6 +130,10 @@ class View:
     @property
     def address(self) -> int:
         """Address of the first byte in this process (for zero-copy checks)."""
+    def is_current(self) -> bool:
+        """Whether the store still answers this view's id with this very object: False
+        once the object was deleted (the view keeps its bytes, not its key) or its id was
+        stored again since, as a new object. A lookup; takes no pin."""
     def __len__(self) -> int: ...
 
 @final

@@ -132,6 +132,12 @@ impl PyView {
         Ok(self.view.as_ptr() as usize)
     }
 
+    /// Whether the store still answers this view's id with this very object (false once
+    /// it was deleted, or its id stored again as a new object); a lookup, no pin.
+    fn is_current(&self) -> bool {
+        self.view.is_current()
+    }
+
     fn __len__(&self) -> usize {
         self.view.len()
     }

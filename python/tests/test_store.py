@@ -293,6 +293,19 @@ def test_a_deleted_object_is_read_draining_in_another_process_while_it_is_pinned
     assert store.stats()["objects"] == 0
 
 
+def test_a_view_is_current_while_its_key_names_its_object(store):
+    store.put("frame", b"old")
+    old = store.get("frame")
+    assert old.obj.is_current()
+    store.delete("frame")
+    assert not old.obj.is_current()  # its bytes stay, its key is gone
+    store.put("frame", b"new")
+    new = store.get("frame")
+    assert new.obj.is_current() and not old.obj.is_current()
+    assert bytes(old) == b"old"
+    assert store.stats()["pins"] == 2  # asking took no pin
+
+
 def test_a_get_waiting_on_a_killed_creator_raises_creator_died(store, store_name):
     p = spawn_python(
         """

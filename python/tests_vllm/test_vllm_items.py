@@ -457,6 +457,39 @@ def test_a_miss_on_an_item_stored_again_since_is_not_taken_for_a_store_the_worke
         other.close()
 
 
+def test_an_item_reported_cached_is_pinned_even_when_its_window_pin_is_of_an_older_object(
+    store_env,
+):
+    # The front-end sent "x" and still holds it in its window of recent sends. "x" is
+    # deleted by hand (the window's pin keeps the old bytes, draining), and another
+    # front-end stores it again: a new object under the same key. When the next request
+    # names "x", the front-end reports it cached, and that item must be pinned until
+    # the request is merged: a pin on the old bytes protects nothing the workers will
+    # read, and the new object could be evicted before the engine core admits the
+    # request.
+    config = make_config()
+    sender, other = sv.ShmstoreSenderCache(config), sv.ShmstoreSenderCache(config)
+    store = sender.store
+    try:
+        sender.get_and_update_item((make_item("x"), make_updates("x")), "x")
+        store.delete("x")
+        assert store.stats()["draining"] == 1  # the window's pin holds the old bytes
+        out, _ = other.get_and_update_item((make_item("x"), make_updates("x")), "x")
+        assert sv.is_marker(out)
+        other.close()  # its window lets go of the new object
+        assert sender.is_cached(["x"]) == [True]
+        assert store.stats()["draining"] == 0, "the stale pin on the old bytes is dropped"
+        assert not store.delete_unpinned("x"), "the item reported cached is not pinned"
+        out, _ = sender.get_and_update_item(None, "x")
+        sender.release_sender_touches()
+        assert sv.is_marker(out)
+        # Once merged, the item stays pinned in the window of recent sends.
+        assert not store.delete_unpinned("x")
+    finally:
+        sender.close()
+        other.close()
+
+
 def test_the_gate_holds_one_pin_per_object_for_as_long_as_a_request_names_it(store):
     from vllm.multimodal.cache.base import MultiModalCacheMissError
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange

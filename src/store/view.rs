@@ -104,6 +104,26 @@ impl View {
         unsafe { std::slice::from_raw_parts(self.meta, self.meta_len) }
     }
 
+    /// Whether the store still answers this view's id with this very object: false once
+    /// the object was deleted (the view keeps its bytes readable, not its key) or its id
+    /// was stored again since, as a new object. Costs a lookup, takes no pin.
+    ///
+    /// ```
+    /// # let store = shmstore::Store::create_anonymous(&shmstore::StoreConfig::with_capacity(1 << 20))?;
+    /// # let id = shmstore::ObjectId::of_key("a");
+    /// store.put(&id, b"old")?;
+    /// let v = store.try_get(&id)?;
+    /// assert!(v.is_current());
+    /// store.delete(&id)?;
+    /// store.put(&id, b"new")?;
+    /// assert!(!v.is_current());
+    /// assert!(store.try_get(&id)?.is_current());
+    /// # Ok::<(), shmstore::Error>(())
+    /// ```
+    pub fn is_current(&self) -> bool {
+        self.inner.lookup_table().names(&self.id, self.slot)
+    }
+
     /// Another view of the same object, with its own pin.
     ///
     /// ```

@@ -750,6 +750,15 @@ impl<'a> Table<'a> {
         matches!(self.find_in(home, b, &id.words()), Some((_, c)) if c.sealed())
     }
 
+    /// Does `id` name the sealed object at `r` now? False once that object was deleted
+    /// (a pin keeps its slot, not its key) or the key names another object.
+    pub(crate) fn names(&self, id: &ObjectId, r: SlotRef) -> bool {
+        let home = self.home(id);
+        let b = self.buckets[home as usize].load(Ordering::Acquire);
+        matches!(self.find_in(home, b, &id.words()),
+            Some((i, c)) if i == r.index as usize && c.gen() == r.gen && c.sealed())
+    }
+
     fn index_checked(&self, r: SlotRef) -> Result<usize> {
         let i = r.index as usize;
         if i < self.slots.len() {
