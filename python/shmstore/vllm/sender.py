@@ -26,7 +26,6 @@ from vllm.utils.cache import CacheInfo
 
 from .. import _native
 from ..items import put_described
-from .gate import object_address
 from .instance import _capacity, _export_metrics, open_store, store_path
 from .item_format import _MiB, Unsupported, describe_item, is_marker, marker_item
 from .nodes import _ray_backend
@@ -39,6 +38,10 @@ _MAX_INFLIGHT = 4096
 #: Prompt updates kept per front-end (items it can report cached without reprocessing).
 _MAX_UPDATES = 1 << 16
 
+
+def _is_current(pin: memoryview) -> bool:
+    """Whether the store still answers the pinned object's key with that very object."""
+    return cast(_native.View, pin.obj).is_current()
 
 
 class ShmstoreSenderCache(BaseMultiModalProcessorCache):
@@ -290,14 +293,10 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
 
     def _holds_what_it_sent(self, mm_hash: str) -> bool:
         """Whether this front-end pins the object it sent for ``mm_hash`` and the store
-        still answers the key with that object (a pin keeps it from being freed, so the
-        same address is the same object)."""
+        still answers the key with that object."""
         sent = self._inflight.get(mm_hash)
         pin = sent[0] if sent is not None else self._touched.get(mm_hash)
-        if pin is None:
-            return False
-        now = self.store.try_get(mm_hash)
-        return now is not None and object_address(now) == object_address(pin)
+        return pin is not None and _is_current(pin)
 
     def _pin(self, mm_hash: str) -> memoryview | None:
         """A pin on the object the store holds under ``mm_hash`` now, or None if it is
@@ -310,7 +309,7 @@ class ShmstoreSenderCache(BaseMultiModalProcessorCache):
         sent = self._inflight.get(mm_hash)
         if sent is None:
             return self.store.try_get(mm_hash)
-        if cast(_native.View, sent[0].obj).is_current():
+        if _is_current(sent[0]):
             return sent[0]
         self._forget_sent(mm_hash)
         return self.store.try_get(mm_hash)
