@@ -50,7 +50,10 @@ class SenderCache:
 
         ``item`` may be a callable that builds the arrays: it runs only on a miss.
         """
-        if self.store.contains(mm_hash):
+        # A hit is pinned by the lookup that finds it: asking first and pinning after
+        # would leave a moment in which the store could evict it.
+        held = self.store.try_get(mm_hash)
+        if held is not None:
             self.hits += 1
         else:
             arrays = item() if callable(item) else item
@@ -59,8 +62,10 @@ class SenderCache:
                 self.misses += 1
             except _native.AlreadyExists:
                 self.hits += 1  # another engine process is putting (or put) it
-        # Keep it pinned while the RPC is in flight (waits if another engine is writing).
-        self._held.append(self.store.get(mm_hash, self.timeout))
+            # Waits if another engine is still writing it.
+            held = self.store.get(mm_hash, self.timeout)
+        # Kept pinned while the RPC is in flight.
+        self._held.append(held)
         return mm_hash
 
     def release(self) -> None:
