@@ -91,8 +91,11 @@ fn insert_seal_pin_delete_release() {
         Err(Error::AlreadyExists { .. })
     ));
     assert!(matches!(t.delete(&id), Err(Error::NotSealed { .. })));
+    assert!(!t.names(&id, r), "not sealed yet");
     t.seal(&id, r).unwrap();
     assert!(t.contains_sealed(&id));
+    assert!(t.names(&id, r));
+    assert!(!t.names(&ObjectId::of_key("b"), r), "another id");
     let Pin::Pinned(p, entry) = t.pin(&id).unwrap() else {
         panic!()
     };
@@ -102,10 +105,18 @@ fn insert_seal_pin_delete_release() {
     assert_eq!(t.delete(&id).unwrap(), None);
     assert!(h.freed().is_empty());
     assert!(matches!(t.pin(&id).unwrap(), Pin::Absent));
+    assert!(
+        !t.names(&id, r),
+        "deleted: the pin keeps the slot, not the key"
+    );
     assert!(matches!(t.delete(&id), Err(Error::NotFound { .. })));
     // The same id can be created again while the old one drains.
     let r2 = t.insert(&id, &e(1280)).unwrap();
     assert_ne!(r2.index, r.index);
+    assert!(
+        !t.names(&id, r2) && !t.names(&id, r),
+        "the new one is not sealed yet"
+    );
     // The last unpin frees the old entry and returns its slot.
     t.unpin(p).unwrap();
     assert_eq!(h.freed(), vec![(r, e(640))]);
@@ -132,6 +143,10 @@ fn reused_slot_never_matches_old_generation() {
         t.seal(&id, r2).unwrap();
         if r2.index == r.index {
             assert_ne!(r2.gen, r.gen);
+            assert!(
+                t.names(&id, r2) && !t.names(&id, r),
+                "an old generation names nothing"
+            );
         }
     }
     assert!(t.add_pin(r).is_err());
