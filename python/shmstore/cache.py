@@ -27,7 +27,7 @@ import collections
 from typing import Any, Callable, Mapping
 
 from . import _native
-from .items import get_item, put_item
+from .items import get_item, put_arrays
 
 
 class SenderCache:
@@ -58,12 +58,15 @@ class SenderCache:
         else:
             arrays = item() if callable(item) else item
             try:
-                put_item(self.store, mm_hash, arrays, meta, timeout=self.timeout)
+                # Pinned as it is sealed: no moment in which it could be evicted unpinned.
+                held = put_arrays(self.store, mm_hash, arrays, meta, self.timeout, pin=True)
                 self.misses += 1
             except _native.AlreadyExists:
                 self.hits += 1  # another engine process is putting (or put) it
-            # Waits if another engine is still writing it.
-            held = self.store.get(mm_hash, self.timeout)
+            if held is None:
+                # Another engine is still writing it (waits for its seal), or it was put
+                # and deleted at once.
+                held = self.store.get(mm_hash, self.timeout)
         # Kept pinned while the RPC is in flight.
         self._held.append(held)
         return mm_hash

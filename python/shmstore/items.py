@@ -139,10 +139,24 @@ def put_item(
     With ``timeout``, waits for space when the store is full. Raises ``AlreadyExists`` if
     the key is present (items are immutable; delete first to replace).
     """
+    put_arrays(store, key, arrays, meta, timeout)
+
+
+def put_arrays(
+    store: _native.Store,
+    key,
+    arrays: Mapping[str, Any],
+    meta: Mapping[str, Any] | None,
+    timeout: float | None,
+    *,
+    pin: bool = False,
+) -> memoryview | None:
+    """``put_item``; with ``pin``, returns the sealed item pinned, as ``put_described``
+    does."""
     full: list[tuple[str, str, Any, Any]] = [
         _spec(k if type(k) is str else str(k), v) for k, v in arrays.items()
     ]
-    put_described(store, key, full, list(arrays.values()), meta, timeout)
+    return put_described(store, key, full, list(arrays.values()), meta, timeout, pin=pin)
 
 
 def put_described(

@@ -26,6 +26,9 @@ def test_sender_puts_once_and_sends_only_the_hash(store):
     assert sender.send("mm-1", build) == "mm-1"
     assert sender.send("mm-1", build) == "mm-1"
     assert (sender.misses, sender.hits, len(built)) == (1, 1, 1)
+    # Each send keeps the item pinned while its RPC is in flight (the first one from its
+    # own put, the second from the lookup that found it).
+    assert store.stats()["pins"] == 2
     got = receiver.get("mm-1")
     assert np.array_equal(got["pixel_values"], item(1)["pixel_values"])
 
