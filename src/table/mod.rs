@@ -736,26 +736,27 @@ impl<'a> Table<'a> {
         Ok(None)
     }
 
-    /// Is `id` present, sealed or being created?
-    pub(crate) fn contains_live(&self, id: &ObjectId) -> bool {
+    /// The live slot of `id` and its control word, if any.
+    fn find(&self, id: &ObjectId) -> Option<(usize, Ctl)> {
         let home = self.home(id);
         let b = self.buckets[home as usize].load(Ordering::Acquire);
-        self.find_in(home, b, &id.words()).is_some()
+        self.find_in(home, b, &id.words())
+    }
+
+    /// Is `id` present, sealed or being created?
+    pub(crate) fn contains_live(&self, id: &ObjectId) -> bool {
+        self.find(id).is_some()
     }
 
     /// Is `id` present and sealed?
     pub(crate) fn contains_sealed(&self, id: &ObjectId) -> bool {
-        let home = self.home(id);
-        let b = self.buckets[home as usize].load(Ordering::Acquire);
-        matches!(self.find_in(home, b, &id.words()), Some((_, c)) if c.sealed())
+        matches!(self.find(id), Some((_, c)) if c.sealed())
     }
 
     /// Does `id` name the sealed object at `r` now? False once that object was deleted
     /// (a pin keeps its slot, not its key) or the key names another object.
     pub(crate) fn names(&self, id: &ObjectId, r: SlotRef) -> bool {
-        let home = self.home(id);
-        let b = self.buckets[home as usize].load(Ordering::Acquire);
-        matches!(self.find_in(home, b, &id.words()),
+        matches!(self.find(id),
             Some((i, c)) if i == r.index as usize && c.gen() == r.gen && c.sealed())
     }
 
@@ -950,9 +951,7 @@ impl<'a> Table<'a> {
     /// The slot and `ctl` of `id`'s sealed (or EVICTING) entry: `NotFound` if there is
     /// none, `NotSealed` while it is being created.
     fn find_sealed(&self, id: &ObjectId) -> Result<(usize, Ctl)> {
-        let home = self.home(id);
-        let b = self.buckets[home as usize].load(Ordering::Acquire);
-        match self.find_in(home, b, &id.words()) {
+        match self.find(id) {
             None => Err(Error::NotFound { id: *id }),
             Some((_, c)) if c.state() == CREATING => Err(Error::NotSealed { id: *id }),
             Some(found) => Ok(found),
@@ -1023,11 +1022,7 @@ impl<'a> Table<'a> {
 
     /// Test hook: overwrites the `creator` of `id`'s live entry.
     pub(crate) fn set_creator(&self, id: &ObjectId, creator: u16) -> Result<()> {
-        let home = self.home(id);
-        let b = self.buckets[home as usize].load(Ordering::Acquire);
-        let (i, _) = self
-            .find_in(home, b, &id.words())
-            .ok_or(Error::NotFound { id: *id })?;
+        let (i, _) = self.find(id).ok_or(Error::NotFound { id: *id })?;
         let mut e = self.entry(i);
         e.creator = creator;
         self.slots[i].info.store(e.info(), Ordering::Relaxed);
