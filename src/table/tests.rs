@@ -414,3 +414,60 @@ fn pin_wait_case(spin: u64) {
     t.seal(&id, r).unwrap();
     assert!(waiter.join().unwrap());
 }
+
+/// `Entry::block` is the one gate between a table entry another process wrote and the
+/// heap: every bound it checks is checked here at the value where it starts to fail.
+#[test]
+fn an_entry_is_a_block_only_where_its_bytes_fit_its_kind_and_the_heap() {
+    let heap = 16 * PAGE;
+    let entry = |offset, len, meta_len, kind| Entry {
+        offset,
+        len,
+        meta_len,
+        kind,
+        creator: 0,
+    };
+    let pages = BlockKind::Pages.encode();
+    let block = |e: Entry| {
+        e.block(heap)
+            .map(|(b, pad)| (b.offset, b.size, b.kind, pad))
+    };
+
+    // Metadata is padded to 64 bytes before the payload; a run is whole pages.
+    assert_eq!(
+        block(entry(PAGE, 10, 100, pages)).unwrap(),
+        (PAGE, PAGE, BlockKind::Pages, 128)
+    );
+    assert_eq!(
+        block(entry(0, PAGE - 128 + 1, 100, pages)).unwrap(),
+        (0, 2 * PAGE, BlockKind::Pages, 128)
+    );
+    // An empty object still takes a page.
+    assert_eq!(block(entry(0, 0, 0, pages)).unwrap().1, PAGE);
+    // Metadata up to its bound, not past it.
+    assert!(block(entry(0, 1, MAX_META as u16, pages)).is_ok());
+    assert!(block(entry(0, 1, MAX_META as u16 + 1, pages)).is_err());
+    // Blocks start on 64 bytes.
+    assert!(block(entry(64, 1, 0, pages)).is_ok());
+    assert!(block(entry(32, 1, 0, pages)).is_err());
+    // A run may end at the heap's end, not a byte past it, wherever it starts.
+    assert!(block(entry(15 * PAGE, PAGE, 0, pages)).is_ok());
+    assert!(block(entry(15 * PAGE, PAGE + 1, 0, pages)).is_err());
+    assert!(block(entry(heap, 1, 0, pages)).is_err());
+    assert!(block(entry(u64::MAX - 63, 1, 0, pages)).is_err());
+    assert!(block(entry(0, u64::MAX - 63, 64, pages)).is_err());
+    // A slab block holds what its class holds, no more.
+    for (c, &size) in CLASS_SIZES.iter().enumerate() {
+        let kind = BlockKind::Slab(c as u8).encode();
+        assert_eq!(
+            block(entry(0, size - 64, 1, kind)).unwrap(),
+            (0, size, BlockKind::Slab(c as u8), 64)
+        );
+        assert!(block(entry(0, size - 63, 1, kind)).is_err(), "class {c}");
+        assert!(block(entry(heap - size, size, 0, kind)).is_ok());
+        assert!(block(entry(heap - size + 64, size, 0, kind)).is_err());
+    }
+    // Kinds no allocator writes.
+    assert!(block(entry(0, 1, 0, CLASS_SIZES.len() as u8 + 1)).is_err());
+    assert!(block(entry(0, 1, 0, u8::MAX)).is_err());
+}
