@@ -47,12 +47,9 @@ fn a_neighbourhood_is_two_distinct_bins_and_distance_inverts_slot() {
     }
 }
 
-#[test]
-fn inserts_move_to_the_second_bin_when_the_first_fills() {
-    let h = HeapTable::new(64);
-    let t = h.get();
-    // Ids sharing one home, until its neighbourhood (both bins) is full. Built from
-    // counters, not hashed keys: cheap enough for miri.
+/// `n` ids that share one home in `t`, and that home. Built from counters, not hashed
+/// keys: cheap enough for miri.
+fn ids_of_one_home(t: &Table<'_>, n: usize) -> (u64, Vec<ObjectId>) {
     let id_of = |k: u64| {
         let mut b = [0u8; 32];
         b[..8].copy_from_slice(&k.to_le_bytes());
@@ -62,9 +59,18 @@ fn inserts_move_to_the_second_bin_when_the_first_fills() {
     let same: Vec<ObjectId> = (0..100_000)
         .map(id_of)
         .filter(|id| t.home(id) == home)
-        .take(NEIGHBORHOOD as usize + 1)
+        .take(n)
         .collect();
-    assert_eq!(same.len(), NEIGHBORHOOD as usize + 1);
+    assert_eq!(same.len(), n);
+    (home, same)
+}
+
+#[test]
+fn inserts_move_to_the_second_bin_when_the_first_fills() {
+    let h = HeapTable::new(64);
+    let t = h.get();
+    // Ids sharing one home, until its neighbourhood (both bins) is full.
+    let (home, same) = ids_of_one_home(&t, NEIGHBORHOOD as usize + 1);
     for id in &same[..NEIGHBORHOOD as usize] {
         t.insert(id, &e(0)).unwrap();
     }
@@ -77,6 +83,36 @@ fn inserts_move_to_the_second_bin_when_the_first_fills() {
             slots: 64
         })
     ));
+}
+
+/// The two-choice rule ([`ROOM_TO_SPARE`]): an insert stays in its home's first bin while
+/// that has room to spare, then takes whichever bin has more free slots (the first on a
+/// tie). The table's fill at its first full neighbourhood rests on it (tests/sizing.rs).
+#[test]
+fn an_insert_takes_the_first_bin_while_it_has_room_to_spare_then_the_emptier() {
+    let h = HeapTable::new(64);
+    let t = h.get();
+    let (home, same) = ids_of_one_home(&t, NEIGHBORHOOD as usize);
+    let (mut first_free, mut second_free) = (BIN as u32, BIN as u32);
+    let mut landed = String::new();
+    let mut expected = String::new();
+    for id in &same {
+        let to_second = first_free < ROOM_TO_SPARE && second_free > first_free;
+        expected.push(if to_second { '2' } else { '1' });
+        let r = t.insert(id, &e(0)).unwrap();
+        let d = t.distance(home, r.index as usize).unwrap();
+        if d < BIN {
+            first_free -= 1;
+            landed.push('1');
+        } else {
+            second_free -= 1;
+            landed.push('2');
+        }
+    }
+    // Nine in the first bin (16 free down to 8), nine in the second (down to 7), then
+    // turn about.
+    assert!(expected.starts_with("111111111222222222121"), "{expected}");
+    assert_eq!(landed, expected);
 }
 
 #[test]
