@@ -22,6 +22,7 @@ mutations=(
   "seal_relaxed:loom_seal_wakes_blocked_get_and_publishes_payload"
   "lost_wakeup:loom_seal_wakes_blocked_get_and_publishes_payload"
   "no_gen_bump:loom_lookup_races_delete_and_reuse"
+  "bucket_no_version:loom_create_races_delete_and_recreate"
   "no_rollback:loom_page_runs_claim_and_roll_back"
   "summary_stale_read:loom_page_summary_follows_racing_frees"
   "group_no_recheck:loom_summary_group_mark_races_a_free"

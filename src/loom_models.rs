@@ -159,6 +159,37 @@ fn loom_racing_creates_of_one_id() {
     });
 }
 
+/// A create of `x` races a delete of `y`, an object of the same home, followed by a
+/// create of `x` that takes `y`'s freed slot. The first create may have checked the
+/// bucket while `y` was there and CAS its bit in after the second create: the bitmap is
+/// the same again, and only the bucket's version tells it changed. One create wins.
+#[test]
+fn loom_create_races_delete_and_recreate() {
+    let y = ObjectId::of_key("y");
+    let x = id_with_home(y.mix() & 31, "x");
+    loom::model(move || {
+        let h = Arc::new(HeapTable::new(32));
+        let t = h.get();
+        let r = t.insert(&y, &entry(64)).unwrap();
+        t.seal(&y, r).unwrap();
+        let creator = {
+            let h = h.clone();
+            thread::spawn(move || h.as_client(1).insert(&x, &entry(2 * 64)).is_ok())
+        };
+        let recreator = {
+            let h = h.clone();
+            thread::spawn(move || {
+                let t = h.get();
+                t.delete(&y).unwrap();
+                t.insert(&x, &entry(3 * 64)).is_ok()
+            })
+        };
+        let created = [creator.join().unwrap(), recreator.join().unwrap()];
+        assert_eq!(created.iter().filter(|&&ok| ok).count(), 1, "{created:?}");
+        assert_eq!(h.get().count_live(), 1);
+    });
+}
+
 /// An id whose home slot is `home` in a 32-slot table.
 fn id_with_home(home: u64, prefix: &str) -> ObjectId {
     (0..)

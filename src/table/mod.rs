@@ -98,6 +98,17 @@ fn dekker_fence() {
     }
 }
 
+/// The version half of bucket word `b` after one more change. It is what fails an insert's
+/// CAS when the bitmap it checked went and came back: a delete, then an insert of the same
+/// id into the freed slot, between the insert's check and its CAS. The bitmap alone reads
+/// the same, and the id would be in the table twice (`loom_create_races_delete_and_recreate`;
+/// mutation `bucket_no_version`).
+#[inline(always)]
+fn next_version(b: u64) -> u64 {
+    let bump = u64::from(!crate::sync::mutation("bucket_no_version"));
+    ((b >> 32).wrapping_add(bump)) << 32
+}
+
 /// `ctl` word helpers: `gen << 32 | owner << 3 | state`, `owner` = client index + 1 in
 /// RESERVED and FREEING; in DELETED a never-sealed flag (bit 28 of the field: an
 /// aborted creation) and a tag that adoptions move on ([`Ctl::retagged`]); 0 otherwise.
@@ -533,7 +544,7 @@ impl<'a> Table<'a> {
                 );
                 return Err(Error::AlreadyExists { id: *id });
             }
-            let nb = ((b >> 32).wrapping_add(1) << 32) | (b as u32 as u64) | (1 << d);
+            let nb = next_version(b) | (b as u32 as u64) | (1 << d);
             match bucket.compare_exchange(b, nb, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => {
                     self.reclaimer.count(Event::Inserted(*e));
@@ -925,7 +936,7 @@ impl<'a> Table<'a> {
         let bucket = &self.buckets[home as usize];
         let mut b = bucket.load(Ordering::Relaxed);
         while b & (1 << d) != 0 {
-            let nb = ((b >> 32).wrapping_add(1) << 32) | (b as u32 as u64 & !(1 << d));
+            let nb = next_version(b) | (b as u32 as u64 & !(1 << d));
             match bucket.compare_exchange_weak(b, nb, Ordering::AcqRel, Ordering::Relaxed) {
                 Ok(_) => return,
                 Err(now) => b = now,
