@@ -115,6 +115,38 @@ fn an_insert_takes_the_first_bin_while_it_has_room_to_spare_then_the_emptier() {
     assert_eq!(landed, expected);
 }
 
+/// A draining lookup scans the whole neighbourhood, where deleted entries of other ids of
+/// the same home lie too: it adopts only an entry with its own id.
+#[test]
+fn a_draining_lookup_adopts_only_its_own_id_among_deleted_neighbours() {
+    let h = HeapTable::new(64);
+    let t = h.get();
+    let (_, ids) = ids_of_one_home(&t, 3);
+    let mut pins = Vec::new();
+    for (k, id) in ids[..2].iter().enumerate() {
+        let r = t.insert(id, &e(64 * k as u64)).unwrap();
+        t.seal(id, r).unwrap();
+        let Pin::Pinned(p, _) = t.pin(id).unwrap() else {
+            panic!("sealed object not pinned")
+        };
+        assert_eq!(t.delete(id).unwrap(), None, "pinned: draining, not freed");
+        pins.push(p);
+    }
+    for (k, id) in ids[..2].iter().enumerate() {
+        let (r, entry) = t.pin_draining(id).unwrap().expect("its deleted entry");
+        assert_eq!((r, entry), (pins[k], e(64 * k as u64)));
+        t.unpin(r).unwrap();
+    }
+    assert_eq!(t.pin_draining(&ids[2]).unwrap(), None, "never stored");
+    t.unpin(pins[0]).unwrap();
+    assert_eq!(
+        t.pin_draining(&ids[0]).unwrap(),
+        None,
+        "freed with its last pin"
+    );
+    assert!(t.pin_draining(&ids[1]).unwrap().is_some());
+}
+
 #[test]
 fn insert_seal_pin_delete_release() {
     let h = HeapTable::new(64);
