@@ -259,6 +259,10 @@ fn an_adoption_holds_a_deleted_object_until_it_lets_go_and_fails_once_it_is_free
         "the parent's pin keeps the block"
     );
     let after = parent.ctl(r.index as usize);
+    assert_ne!(
+        after, deleted,
+        "a freer's CAS on the word it read must fail"
+    );
     assert_eq!(after, deleted.retagged(), "the adoption moved the tag on");
     assert_eq!((after.state(), after.gen()), (DELETED, r.gen));
     parent.unpin(view).unwrap();
@@ -273,12 +277,80 @@ fn an_adoption_holds_a_deleted_object_until_it_lets_go_and_fails_once_it_is_free
     );
     // The tag wraps inside its field: state, generation and the never-sealed flag never
     // change.
-    let top = Ctl(Ctl::new(DELETED, None, 7).0 | TAG_MASK << 3);
-    assert_eq!(top.retagged(), Ctl::new(DELETED, None, 7));
+    let tagged = |tag: u64| Ctl(Ctl::new(DELETED, None, 7).0 | tag << 3);
+    assert_eq!(tagged(5).retagged(), tagged(6));
+    assert_eq!(tagged(TAG_MASK).retagged(), tagged(0));
     let aborted = Ctl::deleted(7, false);
     assert!(aborted.never_sealed() && !Ctl::deleted(7, true).never_sealed());
     assert!(Ctl(aborted.0 | TAG_MASK << 3).retagged() == aborted);
     assert_eq!((aborted.state(), aborted.gen()), (DELETED, 7));
+}
+
+/// An adoption of an object that was not deleted is a plain pin: the slot's word is left
+/// as it is (only DELETED words carry a tag).
+#[test]
+fn an_adoption_of_a_live_object_is_a_pin_that_leaves_its_word_alone() {
+    let h = HeapTable::new(32);
+    let (parent, child) = (h.as_client(1), h.as_client(2));
+    let id = ObjectId::of_key("live");
+    let r = parent.insert(&id, &e(0)).unwrap();
+    parent.seal(&id, r).unwrap();
+    let Pin::Pinned(view, _) = parent.pin(&id).unwrap() else {
+        panic!()
+    };
+    let sealed = parent.ctl(r.index as usize);
+    assert!(child.repin(view).unwrap());
+    assert_eq!(parent.ctl(r.index as usize), sealed);
+    assert_eq!(parent.pins_of(r.index as usize), 2);
+    assert!(parent.names(&id, view), "still the object its key names");
+}
+
+/// `add_pin` is for a process that already pins the slot (a cloned view): without a pin
+/// it is a bug of the caller, at the limit a refusal; both leave the counter as it was.
+#[test]
+fn add_pin_without_a_pin_is_corrupted_and_at_the_limit_too_many_pins() {
+    let h = HeapTable::new(32);
+    let t = h.get();
+    let id = ObjectId::of_key("cloned");
+    let r = t.insert(&id, &e(0)).unwrap();
+    t.seal(&id, r).unwrap();
+    let i = r.index as usize;
+    assert!(matches!(t.add_pin(r), Err(Error::Corrupted { .. })));
+    assert_eq!(t.pins_of(i), 0);
+    let Pin::Pinned(p, _) = t.pin(&id).unwrap() else {
+        panic!()
+    };
+    // 60 000 atomic adds would take minutes under miri; the counter is raised directly.
+    t.counter(i, t.me).store(PIN_LIMIT, Ordering::SeqCst);
+    assert!(matches!(
+        t.add_pin(p),
+        Err(Error::TooManyPins { limit }) if limit == PIN_LIMIT as u32
+    ));
+    assert_eq!(t.pins_of(i), PIN_LIMIT as u64);
+    t.counter(i, t.me).store(1, Ordering::SeqCst);
+    t.add_pin(p).unwrap();
+    assert_eq!(t.pins_of(i), 2);
+}
+
+/// Recovery reads slot and client indices out of shared memory: out of range, they
+/// name nothing.
+#[test]
+fn recovery_lookups_out_of_range_name_nothing() {
+    let h = HeapTable::new(32);
+    let t = h.get();
+    let id = ObjectId::of_key("pinned");
+    let r = t.insert(&id, &e(0)).unwrap();
+    t.seal(&id, r).unwrap();
+    let Pin::Pinned(_, _) = t.pin(&id).unwrap() else {
+        panic!()
+    };
+    let (i, me) = (r.index as usize, t.me as u64);
+    assert_eq!(t.counter_of(i, me), 1);
+    assert_eq!(t.counter_of(t.slots.len(), me), 0);
+    assert_eq!(t.counter_of(i, t.stride as u64), 0);
+    assert_eq!(t.drop_dead_pins(t.slots.len(), me), None);
+    assert_eq!(t.drop_dead_pins(i, t.stride as u64), None);
+    assert_eq!(t.counter_of(i, me), 1, "left as it was");
 }
 
 #[test]
@@ -398,6 +470,17 @@ fn orphans_of_a_dead_client_are_returned() {
     );
     assert_eq!(h.freed(), vec![(r, e(64))]);
     assert!(matches!(t.pin(&id).unwrap(), Pin::Absent));
+    // A slot left FREEING by a dead freer may still be linked (the freer unlinks after
+    // its CAS): returning it to FREE unlinks it.
+    let id = ObjectId::of_key("freeing");
+    let r = t.insert(&id, &e(0)).unwrap();
+    t.seal(&id, r).unwrap();
+    let home = t.home(&id);
+    assert_ne!(t.buckets[home as usize].load(Ordering::SeqCst) as u32, 0);
+    let c = Ctl::new(FREEING, Some(7), r.gen);
+    h.slots[r.index as usize].ctl.store(c.0, Ordering::SeqCst);
+    assert!(t.reset_orphan(r.index as usize, c));
+    assert_eq!(t.buckets[home as usize].load(Ordering::SeqCst) as u32, 0);
     // A slot left RESERVED or FREEING by a dead owner goes back to FREE.
     let s = &h.slots[3];
     for state in [RESERVED, FREEING] {
