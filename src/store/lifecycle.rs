@@ -453,6 +453,23 @@ mod tests {
         panic!("no mapping holds {addr:#x}");
     }
 
+    /// Removes a test's store file when the test ends, passed or failed: these stores are
+    /// 16-256 MiB each, and a `cargo mutants` run, where most mutants fail these tests
+    /// early, once left 20 GiB of them in /dev/shm.
+    struct RemovedAtEnd(std::path::PathBuf);
+
+    impl RemovedAtEnd {
+        fn of(store: &Store) -> Self {
+            RemovedAtEnd(store.path().expect("a named store").to_path_buf())
+        }
+    }
+
+    impl Drop for RemovedAtEnd {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
     #[test]
     fn prefault_maps_a_read_only_attach_for_reading() {
         let name = format!("prefault-ro-{}", std::process::id());
@@ -462,6 +479,7 @@ mod tests {
             ..StoreConfig::with_capacity(16 << 20)
         };
         let creator = Store::create(&name, &cfg).unwrap();
+        let _removed = RemovedAtEnd::of(&creator);
         let opts = AttachOptions {
             read_only: true,
             ..AttachOptions::default()
@@ -513,6 +531,7 @@ mod tests {
             ..StoreConfig::with_capacity(64 << 20)
         };
         let creator = Store::create(&name, &cfg).unwrap();
+        let _removed = RemovedAtEnd::of(&creator);
         let (heap, _) = creator.heap_region();
         assert_eq!(
             heap as usize % (2 << 20),
@@ -569,6 +588,7 @@ mod tests {
     fn create_returns_with_the_bottom_of_the_heap_on_2_mib_pages() {
         let name = format!("rebuild-head-{}", std::process::id());
         let creator = Store::create(&name, &StoreConfig::with_capacity(256 << 20)).unwrap();
+        let _removed = RemovedAtEnd::of(&creator);
         let right_after = creator.stats().huge_page_bytes;
         let id = ObjectId::of_key("first");
         let pattern: Vec<u8> = (0..(16u32 << 20)).map(|i| (i % 251) as u8).collect();
@@ -605,6 +625,7 @@ mod tests {
         };
         let name = format!("rebuild-meta-{}", std::process::id());
         let creator = Store::create(&name, &cfg).unwrap();
+        let _removed = RemovedAtEnd::of(&creator);
         let ids: Vec<ObjectId> = (0..50_000u32)
             .map(|k| ObjectId::of_key(k.to_le_bytes()))
             .collect();
