@@ -98,7 +98,7 @@ impl Allocator<'_> {
     }
 
     /// Index of the last set page bit in `[lo, p)`.
-    fn prev_used(&self, lo: u64, mut p: u64) -> Option<u64> {
+    pub(super) fn prev_used(&self, lo: u64, mut p: u64) -> Option<u64> {
         while p > lo {
             let w = ((p - 1) / 64) as usize;
             let from = lo.saturating_sub(w as u64 * 64);
@@ -206,18 +206,18 @@ impl Allocator<'_> {
     }
 
     /// Whether page word `w` may have no taken page: its summary bit is clear.
-    fn maybe_empty(&self, w: usize) -> bool {
+    pub(super) fn maybe_empty(&self, w: usize) -> bool {
         self.summary[w / 64].load(Ordering::Relaxed) >> (w % 64) & 1 == 0
     }
 
     /// Whether summary word `g` is marked full (every page word of its 16 MiB holds a
     /// taken page).
-    fn group_full(&self, g: usize) -> bool {
+    pub(super) fn group_full(&self, g: usize) -> bool {
         self.groups[g / 64].load(Ordering::Relaxed) >> (g % 64) & 1 == 1
     }
 
     /// The first summary word in `[g, end)` not marked full, or `end`.
-    fn next_open_group(&self, g: usize, end: usize) -> usize {
+    pub(super) fn next_open_group(&self, g: usize, end: usize) -> usize {
         if g >= end {
             return end;
         }
@@ -237,7 +237,7 @@ impl Allocator<'_> {
 
     /// The first page word in `[w, end)` that may have no taken page (its summary bit is
     /// clear), or `end`: summary words marked full are passed over 64 at a time.
-    fn next_maybe_empty(&self, w: usize, end: usize) -> usize {
+    pub(super) fn next_maybe_empty(&self, w: usize, end: usize) -> usize {
         if w >= end {
             return end;
         }

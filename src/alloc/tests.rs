@@ -479,6 +479,190 @@ fn free_extent_reaches_across_free_pages_on_both_sides_and_stops_at_taken_ones()
     assert_eq!(a.free_extent(500, 900), (0, 200));
 }
 
+/// The bitmap scans under best fit and `free_extent`, against a page-by-page look at
+/// the same bits, for ranges that start and end anywhere in a word, with taken pages
+/// just outside them (what a scan that reads a word whole must mask away).
+#[test]
+fn next_used_and_prev_used_see_what_a_page_by_page_look_sees() {
+    let npages = 5 * 64 - 20;
+    let h = HeapAllocator::new(npages * PAGE);
+    let a = h.get();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut taken = vec![false; npages as usize];
+    for (w, word) in a.pages.iter().enumerate() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        // Sparse words, so that most ranges hold a taken page only near their edges.
+        let bits = x & (x >> 3) & (x >> 5);
+        word.store(bits, Ordering::Relaxed);
+        for b in 0..64 {
+            if let Some(t) = taken.get_mut(w * 64 + b) {
+                *t = bits >> b & 1 == 1;
+            }
+        }
+    }
+    let step = if cfg!(miri) { 13 } else { 1 };
+    for lo in (0..=npages).step_by(step) {
+        for hi in (lo..=npages).step_by(step) {
+            let used = |p: &u64| taken[*p as usize];
+            assert_eq!(
+                a.next_used(lo, hi),
+                (lo..hi).find(used),
+                "next_used({lo}, {hi})"
+            );
+            assert_eq!(
+                a.prev_used(lo, hi),
+                (lo..hi).rev().find(used),
+                "prev_used({lo}, {hi})"
+            );
+            let free = |p: &u64| !taken[*p as usize];
+            assert_eq!(
+                a.next_free(lo, hi),
+                (lo..hi).find(free),
+                "next_free({lo}, {hi})"
+            );
+        }
+    }
+}
+
+/// A claim that meets a taken page says which one (the search goes on past it) and
+/// gives back the pages it had claimed below it.
+#[test]
+fn a_claim_that_meets_a_taken_page_names_it_and_rolls_back() {
+    let h = HeapAllocator::new(256 * PAGE);
+    let a = h.get();
+    for taken in [70, 64, 127, 200] {
+        a.pages[(taken / 64) as usize].store(1 << (taken % 64), Ordering::Relaxed);
+        assert_eq!(a.claim_run(10, 240), Err(taken));
+        for (w, word) in a.pages.iter().enumerate() {
+            let expect = if w as u64 == taken / 64 {
+                1 << (taken % 64)
+            } else {
+                0
+            };
+            assert_eq!(
+                word.load(Ordering::Relaxed),
+                expect,
+                "word {w}, taken {taken}"
+            );
+        }
+        a.pages[(taken / 64) as usize].store(0, Ordering::Relaxed);
+    }
+    assert_eq!(a.claim_run(10, 240), Ok(()));
+}
+
+/// Where nothing races and nobody dies, the page summary is exact: a word's bit is set
+/// exactly while the word holds a taken page, a summary word's group bit exactly while
+/// all its bits are set. (Lagging bits would still be correct, only slower to search,
+/// which no other test sees.)
+#[test]
+fn the_page_summary_is_exact_when_nothing_races() {
+    // 40 MiB: two whole summary words (16 MiB each) and half of a third.
+    let h = HeapAllocator::new(40 << 20);
+    let a = h.get();
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut rand = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let mut held: Vec<Block> = Vec::new();
+    let steps = if cfg!(miri) { 60 } else { 3000 };
+    for step in 0..steps {
+        if rand(3) > 0 {
+            // Sizes from slab blocks to 4 MiB runs, the larger ones more often.
+            let size = PAGE << rand(11);
+            if let Ok(b) = a.alloc(size - rand(PAGE)) {
+                held.push(b);
+            }
+        } else if !held.is_empty() {
+            let b = held.swap_remove(rand(held.len() as u64) as usize);
+            a.free(b).unwrap();
+        }
+        for (w, word) in a.pages.iter().enumerate() {
+            let taken = word.load(Ordering::Relaxed) != 0;
+            assert_eq!(!a.maybe_empty(w), taken, "step {step}: page word {w}");
+        }
+        for (g, word) in a.summary.iter().enumerate() {
+            let full = word.load(Ordering::Relaxed) == u64::MAX;
+            assert_eq!(a.group_full(g), full, "step {step}: summary word {g}");
+        }
+    }
+    // Miri's 60 steps are too few to fill 16 MiB; the full run's 3000 must.
+    assert!(
+        cfg!(miri) || (0..a.summary.len()).any(|g| a.group_full(g)),
+        "the trace never filled a summary word: it checks less than it says"
+    );
+}
+
+/// The summary's two searches, against a word-by-word look, over summary words full and
+/// marked so, full and not marked yet (a claim about to mark it), and partly set; over
+/// more than one group word.
+#[test]
+fn the_summary_searches_find_what_a_word_by_word_look_finds() {
+    // 1.25 GiB: 80 summary words, two group words.
+    let h = HeapAllocator::new(1280 << 20);
+    let a = h.get();
+    let n = a.summary.len();
+    assert_eq!(n, 80);
+    for (g, word) in a.summary.iter().enumerate() {
+        let (bits, marked) = match g % 5 {
+            0 | 1 | 3 => (u64::MAX, true),
+            2 => (u64::MAX, false),
+            _ => (!(1u64 << (g * 7 % 64)), false),
+        };
+        word.store(bits, Ordering::Relaxed);
+        if marked {
+            a.groups[g / 64].fetch_or(1 << (g % 64), Ordering::Relaxed);
+        }
+    }
+    let words = n * 64;
+    let step = if cfg!(miri) { 97 } else { 7 };
+    for from in (0..=words).step_by(step) {
+        for end in (from..=words).step_by(step * 3) {
+            let open = (from.div_ceil(64)..end.div_ceil(64)).find(|&g| !a.group_full(g));
+            let (gf, ge) = (from.div_ceil(64), end.div_ceil(64));
+            assert_eq!(
+                a.next_open_group(gf, ge),
+                open.unwrap_or(ge),
+                "groups [{gf}, {ge})"
+            );
+            let look = (from..end).find(|&w| a.maybe_empty(w));
+            assert_eq!(
+                a.next_maybe_empty(from, end),
+                look.unwrap_or(end),
+                "words [{from}, {end})"
+            );
+        }
+    }
+}
+
+/// A heap whose last bitmap word is partly past its end: best fit counts the pages past
+/// the end as taken, so a run reaches the top of the heap and no further.
+#[test]
+fn best_fit_ends_runs_at_the_top_of_a_heap_that_ends_inside_a_word() {
+    let npages = 16 * 64 + 16; // 16 whole words and 16 pages of a 17th
+    let h = HeapAllocator::new(npages * PAGE);
+    let a = h.get();
+    let low: Vec<Block> = (0..3).map(|_| a.alloc(256 * PAGE).unwrap()).collect();
+    let low_end = low.iter().map(|b| b.offset + b.size).max().unwrap() / PAGE;
+    assert_eq!(low_end, 768);
+    let rest = npages - low_end;
+    assert_eq!(
+        rest, 272,
+        "one free run of 272 pages, 16 of them in the last word"
+    );
+    assert!(matches!(
+        a.alloc((rest + 1) * PAGE),
+        Err(Error::Full { .. })
+    ));
+    let top = a.alloc(rest * PAGE).unwrap();
+    assert_eq!((top.offset / PAGE, top.size / PAGE), (low_end, rest));
+    assert_eq!(a.next_free(0, npages), None);
+}
+
 #[test]
 fn threads_allocate_and_free_concurrently() {
     let h = std::sync::Arc::new(HeapAllocator::new(8 << 20));
