@@ -135,6 +135,17 @@ fn double_free_and_forged_blocks_are_rejected() {
 /// at least `n` pages ends the window at its start + `FIT_WINDOW`, rounded up to a
 /// whole word (a run still open there is cut there); the smallest run of at least `n`
 /// wins, the lowest on ties, and the first exact fit ends the search.
+/// A xorshift64 generator from a nonzero `seed`: the tests' pseudo-random numbers, the
+/// same on every run.
+fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
 fn best_run_page_by_page(free: &[bool], n: u64, from: u64) -> Option<u64> {
     let npages = free.len() as u64;
     let mut stop = npages;
@@ -189,13 +200,8 @@ fn best_fit_finds_the_run_a_page_by_page_scan_finds() {
         .map(|_| AtomicU64::new(0))
         .collect();
     let a = h.get();
-    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move |m: u64| {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng % m
-    };
+    let mut rng = xorshift(0x9e37_79b9_7f4a_7c15);
+    let mut next = move |m: u64| rng() % m;
     for round in 0..if cfg!(miri) { 1 } else { 12 } {
         for w in a.pages.iter().chain(a.summary).chain(a.groups) {
             w.store(0, Ordering::Relaxed);
@@ -487,12 +493,10 @@ fn next_used_and_prev_used_see_what_a_page_by_page_look_sees() {
     let npages = 5 * 64 - 20;
     let h = HeapAllocator::new(npages * PAGE);
     let a = h.get();
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rng = xorshift(0x9e37_79b9_7f4a_7c15);
     let mut taken = vec![false; npages as usize];
     for (w, word) in a.pages.iter().enumerate() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng();
         // Sparse words, so that most ranges hold a taken page only near their edges.
         let bits = x & (x >> 3) & (x >> 5);
         word.store(bits, Ordering::Relaxed);
@@ -561,13 +565,8 @@ fn the_page_summary_is_exact_when_nothing_races() {
     // 40 MiB: two whole summary words (16 MiB each) and half of a third.
     let h = HeapAllocator::new(40 << 20);
     let a = h.get();
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let mut rand = move |n: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % n
-    };
+    let mut rng = xorshift(0x2545_f491_4f6c_dd1d);
+    let mut rand = move |n: u64| rng() % n;
     let mut held: Vec<Block> = Vec::new();
     let steps = if cfg!(miri) { 60 } else { 3000 };
     for step in 0..steps {
@@ -672,12 +671,10 @@ fn threads_allocate_and_free_concurrently() {
             std::thread::spawn(move || {
                 let a = h.get();
                 let mut live = Vec::new();
-                let mut x = t as u64 + 1;
+                let mut rng = xorshift(t as u64 + 1);
                 let iters = if cfg!(miri) { 300 } else { 20_000u64 };
                 for i in 0..iters {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
+                    let x = rng();
                     let size = if i % 50 == 0 {
                         20_000 + x % 100_000
                     } else {
