@@ -47,6 +47,21 @@ fn a_neighbourhood_is_two_distinct_bins_and_distance_inverts_slot() {
     }
 }
 
+/// Inserts and seals `id` through `t`.
+fn sealed(t: &Table<'_>, id: &ObjectId, entry: &Entry) -> SlotRef {
+    let r = t.insert(id, entry).unwrap();
+    t.seal(id, r).unwrap();
+    r
+}
+
+/// Pins the sealed object `id` through `t`.
+fn pinned(t: &Table<'_>, id: &ObjectId) -> SlotRef {
+    match t.pin(id).unwrap() {
+        Pin::Pinned(r, _) => r,
+        other => panic!("{id:?} not pinned: {other:?}"),
+    }
+}
+
 /// `n` ids that share one home in `t`, and that home. Built from counters, not hashed
 /// keys: cheap enough for miri.
 fn ids_of_one_home(t: &Table<'_>, n: usize) -> (u64, Vec<ObjectId>) {
@@ -200,15 +215,13 @@ fn reused_slot_never_matches_old_generation() {
     let h = HeapTable::new(32);
     let t = h.get();
     let a = ObjectId::of_key("a");
-    let r = t.insert(&a, &e(0)).unwrap();
-    t.seal(&a, r).unwrap();
+    let r = sealed(&t, &a, &e(0));
     assert_eq!(t.delete(&a).unwrap(), Some(e(0)));
     assert_eq!(h.freed(), vec![(r, e(0))]);
     // Every new insert lands somewhere; none may be pinned through the old ref.
     for k in 0..20 {
         let id = ObjectId::of_key(format!("b{k}"));
-        let r2 = t.insert(&id, &e(64)).unwrap();
-        t.seal(&id, r2).unwrap();
+        let r2 = sealed(&t, &id, &e(64));
         if r2.index == r.index {
             assert_ne!(r2.gen, r.gen);
             assert!(
@@ -226,11 +239,8 @@ fn pins_of_other_clients_keep_the_block_and_dead_ones_are_dropped() {
     let h = HeapTable::new(32);
     let (me, other) = (h.as_client(0), h.as_client(5));
     let id = ObjectId::of_key("shared");
-    let r = me.insert(&id, &e(0)).unwrap();
-    me.seal(&id, r).unwrap();
-    let Pin::Pinned(p, _) = other.pin(&id).unwrap() else {
-        panic!()
-    };
+    let r = sealed(&me, &id, &e(0));
+    let p = pinned(&other, &id);
     other.add_pin(p).unwrap();
     assert_eq!(me.pins_of(r.index as usize), 2);
     assert_eq!(me.delete(&id).unwrap(), None);
@@ -247,11 +257,8 @@ fn an_adoption_holds_a_deleted_object_until_it_lets_go_and_fails_once_it_is_free
     let h = HeapTable::new(32);
     let (parent, child, late) = (h.as_client(1), h.as_client(2), h.as_client(3));
     let id = ObjectId::of_key("inherited");
-    let r = parent.insert(&id, &e(0)).unwrap();
-    parent.seal(&id, r).unwrap();
-    let Pin::Pinned(view, _) = parent.pin(&id).unwrap() else {
-        panic!()
-    };
+    let r = sealed(&parent, &id, &e(0));
+    let view = pinned(&parent, &id);
     parent.delete(&id).unwrap();
     let deleted = parent.ctl(r.index as usize);
     assert!(
@@ -293,11 +300,8 @@ fn an_adoption_of_a_live_object_is_a_pin_that_leaves_its_word_alone() {
     let h = HeapTable::new(32);
     let (parent, child) = (h.as_client(1), h.as_client(2));
     let id = ObjectId::of_key("live");
-    let r = parent.insert(&id, &e(0)).unwrap();
-    parent.seal(&id, r).unwrap();
-    let Pin::Pinned(view, _) = parent.pin(&id).unwrap() else {
-        panic!()
-    };
+    let r = sealed(&parent, &id, &e(0));
+    let view = pinned(&parent, &id);
     let sealed = parent.ctl(r.index as usize);
     assert!(child.repin(view).unwrap());
     assert_eq!(parent.ctl(r.index as usize), sealed);
@@ -312,14 +316,11 @@ fn add_pin_without_a_pin_is_corrupted_and_at_the_limit_too_many_pins() {
     let h = HeapTable::new(32);
     let t = h.get();
     let id = ObjectId::of_key("cloned");
-    let r = t.insert(&id, &e(0)).unwrap();
-    t.seal(&id, r).unwrap();
+    let r = sealed(&t, &id, &e(0));
     let i = r.index as usize;
     assert!(matches!(t.add_pin(r), Err(Error::Corrupted { .. })));
     assert_eq!(t.pins_of(i), 0);
-    let Pin::Pinned(p, _) = t.pin(&id).unwrap() else {
-        panic!()
-    };
+    let p = pinned(&t, &id);
     // 60 000 atomic adds would take minutes under miri; the counter is raised directly.
     t.counter(i, t.me).store(PIN_LIMIT, Ordering::SeqCst);
     assert!(matches!(
@@ -339,11 +340,8 @@ fn recovery_lookups_out_of_range_name_nothing() {
     let h = HeapTable::new(32);
     let t = h.get();
     let id = ObjectId::of_key("pinned");
-    let r = t.insert(&id, &e(0)).unwrap();
-    t.seal(&id, r).unwrap();
-    let Pin::Pinned(_, _) = t.pin(&id).unwrap() else {
-        panic!()
-    };
+    let r = sealed(&t, &id, &e(0));
+    let _ = pinned(&t, &id);
     let (i, me) = (r.index as usize, t.me as u64);
     assert_eq!(t.counter_of(i, me), 1);
     assert_eq!(t.counter_of(t.slots.len(), me), 0);
@@ -358,8 +356,7 @@ fn eviction_skips_pins_and_a_pin_cancels_an_eviction_in_flight() {
     let h = HeapTable::new(32);
     let t = h.get();
     let id = ObjectId::of_key("lru");
-    let r = t.insert(&id, &e(0)).unwrap();
-    t.seal(&id, r).unwrap();
+    let r = sealed(&t, &id, &e(0));
     let i = r.index as usize;
     assert!(!t.clock_step(i).unwrap(), "first pass only clears the bit");
     let Pin::Pinned(p, _) = h.as_client(1).pin(&id).unwrap() else {
@@ -374,9 +371,7 @@ fn eviction_skips_pins_and_a_pin_cancels_an_eviction_in_flight() {
         .ctl
         .store(Ctl::new(EVICTING, None, r.gen).0, Ordering::SeqCst);
     assert!(t.contains_sealed(&id));
-    let Pin::Pinned(q, _) = t.pin(&id).unwrap() else {
-        panic!()
-    };
+    let q = pinned(&t, &id);
     assert_eq!(t.ctl(i).state(), SEALED);
     t.unpin(q).unwrap();
     h.as_client(1).unpin(p).unwrap();
@@ -390,8 +385,7 @@ fn evicting_one_generation_ignores_the_referenced_bit_but_never_a_pin_or_another
     let h = HeapTable::new(32);
     let t = h.get();
     let id = ObjectId::of_key("neighbour");
-    let r = t.insert(&id, &e(0)).unwrap();
-    t.seal(&id, r).unwrap();
+    let r = sealed(&t, &id, &e(0));
     let i = r.index as usize;
     assert!(t.evictable_now(i, r.gen));
     // Another generation: not this object, left alone.
@@ -435,9 +429,7 @@ fn delete_unpinned_keeps_a_pinned_object_and_takes_an_unpinned_one_whatever_its_
     assert_eq!(t.delete_unpinned(&id).unwrap(), None);
     assert_eq!(t.ctl(i).state(), SEALED);
     h.as_client(1).unpin(p).unwrap();
-    let Pin::Pinned(q, _) = t.pin(&id).unwrap() else {
-        panic!()
-    };
+    let q = pinned(&t, &id);
     assert_eq!(t.delete_unpinned(&id).unwrap(), None);
     t.unpin(q).unwrap();
     assert!(h.freed().is_empty());
@@ -473,8 +465,7 @@ fn orphans_of_a_dead_client_are_returned() {
     // A slot left FREEING by a dead freer may still be linked (the freer unlinks after
     // its CAS): returning it to FREE unlinks it.
     let id = ObjectId::of_key("freeing");
-    let r = t.insert(&id, &e(0)).unwrap();
-    t.seal(&id, r).unwrap();
+    let r = sealed(&t, &id, &e(0));
     let home = t.home(&id);
     assert_ne!(t.buckets[home as usize].load(Ordering::SeqCst) as u32, 0);
     let c = Ctl::new(FREEING, Some(7), r.gen);
@@ -561,8 +552,7 @@ fn pin_wait_case(spin: u64) {
             Pin::Pinned(..)
         )
     });
-    let r = t.insert(&id, &e(0)).unwrap();
-    t.seal(&id, r).unwrap();
+    sealed(&t, &id, &e(0));
     assert!(waiter.join().unwrap());
 }
 
