@@ -429,8 +429,6 @@ impl Allocator<'_> {
         };
         let first = (from / 64) as usize;
         let mut w = first;
-        // Words entirely inside the heap, for the fast paths below.
-        let whole = (self.npages / 64) as usize;
         while w < stop {
             while next_idle < idle.len() && idle[next_idle].word() < w {
                 next_idle += 1;
@@ -439,9 +437,6 @@ impl Allocator<'_> {
             let mut used = self.pages[w].load(Ordering::Relaxed);
             for slab in idle[next_idle..].iter().take_while(|x| x.word() == w) {
                 used &= !slab.mask();
-            }
-            if w >= whole {
-                used |= !range_mask(0, self.npages - base); // past the heap: taken
             }
             if w == first {
                 used |= range_mask(0, from % 64); // before `from`: not ours to search
@@ -472,7 +467,7 @@ impl Allocator<'_> {
             let bound = stop.min(idle_word);
             if used == 0 {
                 // Inside a free run: skip the free words that follow, 8 at a time.
-                while w + 8 <= bound.min(whole)
+                while w + 8 <= bound
                     && self.pages[w..w + 8]
                         .iter()
                         .all(|x| x.load(Ordering::Relaxed) == 0)
@@ -493,6 +488,10 @@ impl Allocator<'_> {
                 }
             }
         }
+        // A run still open reaches the end of the heap: the bits of its last word past
+        // the end are not pages, so the run is cut at the end here (a run that starts
+        // among them is empty). Nothing else needs them masked: a run ended inside the
+        // word by a taken page ends below them.
         if let Some(s) = start {
             consider(s, (w as u64 * 64).min(self.npages), &mut stop);
         }
