@@ -101,6 +101,10 @@ fn full_reports_numbers_and_too_large_is_immediate() {
     }
     assert!(matches!(a.alloc(1 << 20), Err(Error::TooLarge { .. })));
     a.free(b).unwrap();
+    // The page layer refuses an empty run (it would name a page it does not hold) and
+    // one larger than the heap, whatever is free.
+    assert_eq!(a.alloc_pages(0, 1), None);
+    assert_eq!(a.alloc_pages(65, 1), None);
     assert!(a.alloc(256 << 10).is_ok());
 }
 
@@ -298,6 +302,33 @@ fn best_fit_raises_the_low_water_mark_as_it_fills() {
     a.audit().unwrap();
 }
 
+/// First fit raises the low-water mark past the pages it finds taken and the run it
+/// claims, and never past a free page: an aligned run (a slab) that leaves free pages
+/// below it stops the mark at them, so the next small run takes the lowest free pages.
+#[test]
+fn first_fit_never_raises_the_low_water_mark_past_a_free_page() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let mark = || a.cursor().load(Ordering::Relaxed);
+    assert_eq!(a.alloc_pages(3, 1), Some(0));
+    assert_eq!(mark(), 3);
+    // A slab's 16 pages start at a multiple of 16: pages 3-15 stay free, and the mark
+    // stays at the first of them.
+    assert_eq!(a.alloc_pages(PAGES_PER_SLAB, PAGES_PER_SLAB), Some(16));
+    assert_eq!(mark(), 3);
+    assert_eq!(a.alloc_pages(2, 1), Some(3));
+    assert_eq!(mark(), 5);
+    assert_eq!(a.alloc_pages(4, 1), Some(5));
+    assert_eq!(mark(), 9);
+    assert_eq!(a.alloc_pages(1, 1), Some(9));
+    // A run that does not fit the hole at the mark goes above the slab; the mark stays
+    // at the hole.
+    assert_eq!(a.alloc_pages(8, 1), Some(32));
+    assert_eq!(mark(), 10);
+    assert_eq!(a.alloc_pages(6, 1), Some(10));
+    assert_eq!(mark(), 16);
+}
+
 #[test]
 fn large_runs_take_the_place_of_idle_slabs() {
     // Small objects of four classes, spread over the bottom of the heap between
@@ -414,6 +445,41 @@ fn the_page_summary_follows_claims_frees_and_a_dead_freer() {
     a.free(a.alloc(15 << 20).unwrap()).unwrap();
     a.free(first).unwrap();
     a.free(a.alloc(16 << 20).unwrap()).unwrap();
+}
+
+/// The summary's second level: a freer killed after clearing a bit of a full summary
+/// word but before clearing that word's group bit leaves the group marked full. The
+/// audit names it; the repair clears that group bit and no other (a group marked full
+/// that is full stays marked).
+#[test]
+fn the_repair_clears_a_group_bit_a_dead_freer_left_and_no_other() {
+    // 40 MiB: summary words 0 and 1 whole (16 MiB each), word 2 half.
+    let h = HeapAllocator::new(40 << 20);
+    let a = h.get();
+    let low = a.alloc(16 << 20).unwrap();
+    let high = a.alloc(16 << 20).unwrap();
+    assert_eq!((low.offset, high.offset), (0, 16 << 20));
+    assert!(a.group_full(0) && a.group_full(1) && !a.group_full(2));
+    a.free(high).unwrap();
+    assert!(a.group_full(0) && !a.group_full(1));
+    // The dead freer's leftover: summary word 1 is empty, its group bit still set.
+    a.groups[0].fetch_or(1 << 1, Ordering::Relaxed);
+    assert_eq!(
+        a.summary_hides().as_deref(),
+        Some("summary word 1 is marked full but is not")
+    );
+    assert!(a.audit().is_err());
+    assert_eq!(a.repair_summary(), 1);
+    assert!(a.group_full(0) && !a.group_full(1) && !a.group_full(2));
+    assert_eq!(a.summary_hides(), None);
+    a.audit().unwrap();
+    let again = a.alloc(16 << 20).unwrap();
+    assert_eq!(again.offset, 16 << 20);
+    // Nothing hidden: a second repair finds nothing to clear.
+    assert_eq!(a.repair_summary(), 0);
+    a.free(again).unwrap();
+    a.free(low).unwrap();
+    a.audit().unwrap();
 }
 
 #[test]
