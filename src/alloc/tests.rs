@@ -135,6 +135,28 @@ fn double_free_and_forged_blocks_are_rejected() {
     a.audit().unwrap();
 }
 
+/// The leak sweep's free of a run nothing names: a run that ends at the top of the
+/// heap is freed; an empty run, one past the end and one whose end overflows are
+/// refused with `Corrupted` and change nothing.
+#[test]
+fn a_leaked_run_up_to_the_heaps_end_is_freed_and_one_past_it_refused() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let npages = (1 << 20) / PAGE;
+    // A process died holding the top 10 pages, with nothing naming them.
+    a.claim_run(npages - 10, 10).unwrap();
+    for (first, n) in [(npages - 10, 11), (npages - 10, 0), (u64::MAX - 4, 10)] {
+        assert!(
+            matches!(a.free_leaked_pages(first, n), Err(Error::Corrupted { .. })),
+            "run {first}+{n}"
+        );
+    }
+    assert_eq!(a.usage().free, (npages - 10) * PAGE);
+    a.free_leaked_pages(npages - 10, 10).unwrap();
+    assert_eq!(a.usage().free, npages * PAGE);
+    a.audit().unwrap();
+}
+
 /// The rule `best_run` implements, page by page: scan from `from`; the first run of
 /// at least `n` pages ends the window at its start + `FIT_WINDOW`, rounded up to a
 /// whole word (a run still open there is cut there); the smallest run of at least `n`
