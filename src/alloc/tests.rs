@@ -378,6 +378,39 @@ fn large_runs_take_the_place_of_idle_slabs() {
     a.audit().unwrap();
 }
 
+/// A large run retires the idle slabs inside the pages it takes and keeps the others:
+/// best fit counts both idle slabs below as free, picks the hole between them, and only
+/// the slab at the hole's start gives way.
+#[test]
+fn a_large_run_retires_only_the_idle_slabs_it_covers() {
+    let h = HeapAllocator::new(16 << 20);
+    let a = h.get();
+    let pages = |b: &Block| (b.offset / PAGE, (b.offset + b.size) / PAGE);
+    let r0 = a.alloc(1 << 20).unwrap();
+    let s0 = a.alloc(64).unwrap();
+    let r1 = a.alloc(1 << 20).unwrap();
+    let s1 = a.alloc(1024).unwrap();
+    let r2 = a.alloc(1 << 20).unwrap();
+    assert_eq!(
+        [&r0, &s0, &r1, &s1, &r2].map(|b| pages(b).0),
+        [0, 256, 272, 528, 544]
+    );
+    // Pages 256-271 and 528-543: two idle slabs (current, empty); 272-527 free.
+    a.free(s0).unwrap();
+    a.free(s1).unwrap();
+    a.free(r1).unwrap();
+    assert_eq!(a.usage().slabs, 2);
+    // 272 pages: the hole with the first idle slab (256-527) holds them, the smallest
+    // run that does with both idle slabs counted free (256-543).
+    let run = a.alloc(272 * PAGE).unwrap();
+    assert_eq!(pages(&run), (256, 528));
+    assert_eq!(a.usage().slabs, 1, "the slab at 528 stays, idle");
+    for b in [run, r0, r2] {
+        a.free(b).unwrap();
+    }
+    a.audit().unwrap();
+}
+
 #[test]
 fn best_fit_reads_the_words_of_idle_slabs_the_summary_marks_taken() {
     // A 16 MiB heap, every page taken (and the summary says so) but word 11; words 9 and
@@ -518,6 +551,39 @@ fn empty_slabs_return_their_pages() {
     let all = a.alloc(a.capacity()).unwrap();
     assert_eq!(a.usage().slabs, 0);
     a.free(all).unwrap();
+    a.audit().unwrap();
+}
+
+/// A block freed in a full slab that is not its class's current one is found again
+/// through the class's partial bitmap: the next request of the class takes it once the
+/// current slab is full, instead of a fresh slab. 8 MiB, so that each class has two
+/// partial words (a class's words are not another's).
+#[test]
+fn a_block_freed_in_an_older_slab_is_reused_before_a_new_slab() {
+    let h = HeapAllocator::new(8 << 20);
+    let a = h.get();
+    for class in [0, CLASSES as usize - 1] {
+        let size = CLASS_SIZES[class];
+        let per_slab = blocks_per_slab(class) as usize;
+        // (An earlier class's current slab stays, empty.)
+        let before = a.usage().slabs;
+        // Two full slabs; the second is the current one.
+        let mut held: Vec<Block> = (0..2 * per_slab).map(|_| a.alloc(size).unwrap()).collect();
+        assert_eq!(a.usage().slabs, before + 2, "class {class}");
+        let older = held
+            .iter()
+            .position(|b| b.offset / SLAB == held[0].offset / SLAB);
+        let freed = held.swap_remove(older.unwrap() + 1);
+        a.free(freed).unwrap();
+        let again = a.alloc(size).unwrap();
+        assert_eq!(
+            again, freed,
+            "class {class}: the freed block, not a new slab"
+        );
+        assert_eq!(a.usage().slabs, before + 2, "class {class}");
+        held.push(again);
+        held.into_iter().for_each(|b| a.free(b).unwrap());
+    }
     a.audit().unwrap();
 }
 
