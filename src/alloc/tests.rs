@@ -554,6 +554,71 @@ fn empty_slabs_return_their_pages() {
     a.audit().unwrap();
 }
 
+/// A slab hands out each of its blocks and only those, and finds a freed one wherever
+/// it is: in every class, a full slab with its first block freed gives that block back
+/// (the search starts at the word of the live count, here the last, which for classes
+/// whose block count is not a multiple of 64 is partly past the slab's end); and a
+/// 1024-block slab with 512 blocks freed across eight of its words gives exactly those
+/// back, though the search starts at a word that is full.
+#[test]
+fn a_slab_hands_out_each_of_its_blocks_and_finds_every_freed_one() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    for class in 0..CLASSES as usize {
+        let (size, cap) = (CLASS_SIZES[class], blocks_per_slab(class));
+        let mut blocks: Vec<Block> = (0..cap).map(|_| a.alloc(size).unwrap()).collect();
+        let slab = blocks[0].offset / SLAB;
+        let mut offsets: Vec<u64> = blocks.iter().map(|b| b.offset - slab * SLAB).collect();
+        offsets.sort_unstable();
+        let every: Vec<u64> = (0..cap).map(|i| i * size).collect();
+        assert_eq!(offsets, every, "class {class}: one slab, every block once");
+        a.free(blocks[0]).unwrap();
+        let again = a.alloc(size).unwrap();
+        assert_eq!(again, blocks[0], "class {class}");
+        blocks.drain(..).for_each(|b| a.free(b).unwrap());
+        // Its current slab stays, empty: flush it so the next class starts clean.
+        a.flush_idle_slabs();
+        assert_eq!(a.usage().slabs, 0);
+    }
+    // Class 0: 16 words of 64 blocks. Free words 1-7 and 9: 512 live, so the search
+    // starts at word 8, which is full, as is word 0.
+    let mut blocks: Vec<Block> = (0..1024).map(|_| a.alloc(64).unwrap()).collect();
+    blocks.sort_by_key(|b| b.offset);
+    let base = blocks[0].offset;
+    let word = |b: &Block| (b.offset - base) / 64 / 64;
+    let (freed, kept): (Vec<Block>, Vec<Block>) = blocks
+        .into_iter()
+        .partition(|b| matches!(word(b), 1..=7 | 9));
+    assert_eq!(freed.len(), 512);
+    freed.iter().for_each(|&b| a.free(b).unwrap());
+    let mut again: Vec<Block> = (0..512).map(|_| a.alloc(64).unwrap()).collect();
+    again.sort_by_key(|b| b.offset);
+    assert_eq!(again, freed, "the freed blocks come back, no new slab");
+    assert_eq!(a.usage().slabs, 1);
+    again
+        .into_iter()
+        .chain(kept)
+        .for_each(|b| a.free(b).unwrap());
+    a.audit().unwrap();
+}
+
+/// A claimer that read its class's current slab just before that slab was retired and
+/// taken by another class (or a hint another process scribbled over) finds the slab's
+/// class changed and claims nothing in it: its block would overlap the other class's.
+#[test]
+fn a_stale_hint_naming_another_classes_slab_claims_nothing_there() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let other = a.alloc(128).unwrap();
+    let slab = other.offset / SLAB;
+    a.hint(0).store(slab + 1, Ordering::Relaxed);
+    let mine = a.alloc(64).unwrap();
+    assert_ne!(mine.offset / SLAB, slab, "{mine:?} is in class 1's slab");
+    a.free(mine).unwrap();
+    a.free(other).unwrap();
+    a.audit().unwrap();
+}
+
 /// A block freed in a full slab that is not its class's current one is found again
 /// through the class's partial bitmap: the next request of the class takes it once the
 /// current slab is full, instead of a fresh slab. 8 MiB, so that each class has two
