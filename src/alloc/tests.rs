@@ -622,11 +622,14 @@ fn a_stale_hint_naming_another_classes_slab_claims_nothing_there() {
 /// A block freed in a full slab that is not its class's current one is found again
 /// through the class's partial bitmap: the next request of the class takes it once the
 /// current slab is full, instead of a fresh slab. 8 MiB, so that each class has two
-/// partial words (a class's words are not another's).
+/// partial words (a class's words are not another's), and the slabs are put in the
+/// second (64 KiB units 64 and up).
 #[test]
 fn a_block_freed_in_an_older_slab_is_reused_before_a_new_slab() {
     let h = HeapAllocator::new(8 << 20);
     let a = h.get();
+    let low = a.alloc(4 << 20).unwrap();
+    assert_eq!(low.offset, 0);
     for class in [0, CLASSES as usize - 1] {
         let size = CLASS_SIZES[class];
         let per_slab = blocks_per_slab(class) as usize;
@@ -635,10 +638,10 @@ fn a_block_freed_in_an_older_slab_is_reused_before_a_new_slab() {
         // Two full slabs; the second is the current one.
         let mut held: Vec<Block> = (0..2 * per_slab).map(|_| a.alloc(size).unwrap()).collect();
         assert_eq!(a.usage().slabs, before + 2, "class {class}");
-        let older = held
-            .iter()
-            .position(|b| b.offset / SLAB == held[0].offset / SLAB);
-        let freed = held.swap_remove(older.unwrap() + 1);
+        let older = held[0].offset / SLAB;
+        assert!(older >= 64, "class {class}: slab {older}");
+        let freed = held.swap_remove(1);
+        assert_eq!(freed.offset / SLAB, older);
         a.free(freed).unwrap();
         let again = a.alloc(size).unwrap();
         assert_eq!(
@@ -649,6 +652,7 @@ fn a_block_freed_in_an_older_slab_is_reused_before_a_new_slab() {
         held.push(again);
         held.into_iter().for_each(|b| a.free(b).unwrap());
     }
+    a.free(low).unwrap();
     a.audit().unwrap();
 }
 
