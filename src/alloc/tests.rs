@@ -656,6 +656,31 @@ fn a_block_freed_in_an_older_slab_is_reused_before_a_new_slab() {
     a.audit().unwrap();
 }
 
+/// Each slab keeps its partial mark while it has a freed block: a claimer that finds one
+/// marked slab full again drops that slab's mark and no other's. Four full slabs of 4
+/// blocks, one block freed in each of the first three: the next three requests take
+/// exactly those three blocks (the third finds the first two slabs full again, the
+/// second being the class's current slab by then).
+#[test]
+fn a_full_slabs_partial_mark_is_dropped_and_no_other() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let size = CLASS_SIZES[CLASSES as usize - 1];
+    assert_eq!(blocks_per_slab(CLASSES as usize - 1), 4);
+    let mut held: Vec<Block> = (0..16).map(|_| a.alloc(size).unwrap()).collect();
+    held.sort_by_key(|b| b.offset);
+    assert_eq!(a.usage().slabs, 4);
+    let mut freed: Vec<Block> = [1, 5, 9].map(|i| held[i]).to_vec();
+    freed.iter().for_each(|&b| a.free(b).unwrap());
+    let mut again: Vec<Block> = (0..3).map(|_| a.alloc(size).unwrap()).collect();
+    again.sort_by_key(|b| b.offset);
+    freed.sort_by_key(|b| b.offset);
+    assert_eq!(again, freed, "the freed blocks, not a new slab");
+    assert_eq!(a.usage().slabs, 4);
+    held.into_iter().for_each(|b| a.free(b).unwrap());
+    a.audit().unwrap();
+}
+
 #[test]
 fn page_runs_coalesce() {
     let h = HeapAllocator::new(1 << 20);
