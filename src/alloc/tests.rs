@@ -602,6 +602,27 @@ fn a_slab_hands_out_each_of_its_blocks_and_finds_every_freed_one() {
     a.audit().unwrap();
 }
 
+/// A slab state that another process scribbled over is never underflowed or moved to
+/// another class by a free: a block freed in a slab whose live count reads 0 leaves the
+/// state as it was (a decrement would wrap into the class field), and so does a release
+/// for a class the slab no longer has.
+#[test]
+fn a_free_never_underflows_or_retags_a_slab_state_it_did_not_expect() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let b = a.alloc(64).unwrap();
+    let slab = (b.offset / SLAB) as usize;
+    let state = &a.slabs[slab].state;
+    // Class 0's tag, live count 0, though block 0's bit is set.
+    state.store(1 << 16, Ordering::Relaxed);
+    a.free(b).unwrap();
+    assert_eq!(state.load(Ordering::Relaxed), 1 << 16);
+    // A release for class 0 in a slab now tagged class 1 with 3 live.
+    state.store((2 << 16) | 3, Ordering::Relaxed);
+    a.release_reservation(slab, 0);
+    assert_eq!(state.load(Ordering::Relaxed), (2 << 16) | 3);
+}
+
 /// A claimer that read its class's current slab just before that slab was retired and
 /// taken by another class (or a hint another process scribbled over) finds the slab's
 /// class changed and claims nothing in it: its block would overlap the other class's.
