@@ -677,6 +677,48 @@ fn a_block_freed_in_an_older_slab_is_reused_before_a_new_slab() {
     a.audit().unwrap();
 }
 
+/// A slab that retires (its last block freed, not its class's current slab) clears its
+/// own partial mark and no other slab's: the first slab keeps the mark of its freed
+/// block while the second, emptied, retires, and the next request takes that block.
+#[test]
+fn a_retiring_slab_clears_its_own_partial_mark_and_no_other() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let size = CLASS_SIZES[CLASSES as usize - 1];
+    let mut held: Vec<Block> = (0..12).map(|_| a.alloc(size).unwrap()).collect();
+    held.sort_by_key(|b| b.offset);
+    assert_eq!(held[0].offset / SLAB, 0);
+    assert_eq!(a.usage().slabs, 3);
+    let freed = held[1];
+    a.free(freed).unwrap();
+    for &b in &held[4..8] {
+        a.free(b).unwrap();
+    }
+    assert_eq!(a.usage().slabs, 2, "the second slab retired");
+    assert_eq!(a.alloc(size).unwrap(), freed);
+    for b in held[..4].iter().chain(&held[8..]) {
+        a.free(*b).unwrap();
+    }
+    a.audit().unwrap();
+}
+
+/// A forged block that names a live block's slab and a misaligned offset inside it is
+/// refused, and the live block stays allocated.
+#[test]
+fn a_misaligned_forged_block_frees_nothing() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let live = a.alloc(256).unwrap();
+    let forged = Block {
+        offset: live.offset + 3,
+        ..live
+    };
+    assert!(matches!(a.free(forged), Err(Error::Corrupted { .. })));
+    assert_eq!(a.usage().used, 256);
+    a.free(live).unwrap();
+    a.audit().unwrap();
+}
+
 /// Each slab keeps its partial mark while it has a freed block: a claimer that finds one
 /// marked slab full again drops that slab's mark and no other's. Four full slabs of 4
 /// blocks, one block freed in each of the first three: the next three requests take
