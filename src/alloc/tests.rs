@@ -1025,6 +1025,41 @@ fn threads_allocate_and_free_concurrently() {
     assert_eq!(a.usage().used, 0);
 }
 
+/// The two scrubs touch only the unit they are given: two setups in progress (or dead)
+/// at units 4 and 5, with free pages below them. Scrubbing unit 4's leaked run leaves
+/// unit 5's bits; `scrub_unit` leaves a unit whose pages are held, and clears one whose
+/// pages are free, reporting that it cleared something however many words were set.
+#[test]
+fn the_scrubs_touch_only_the_unit_they_are_given() {
+    let h = HeapAllocator::new(4 << 20);
+    let a = h.get();
+    let below = a.alloc(64 * PAGE).unwrap();
+    assert!(a.begin_slab_setup_only() && a.begin_slab_setup_only());
+    a.free(below).unwrap();
+    let bit = |s: usize| a.slabs[s].bits[0].load(Ordering::Relaxed);
+    assert_eq!((bit(4), bit(5)), (1, 1));
+    let unit = |s: u64| s * PAGES_PER_SLAB;
+    a.scrub_units_of_leaked_run(unit(4), unit(5));
+    assert_eq!((bit(4), bit(5)), (0, 1));
+    assert!(
+        !a.scrub_unit(5),
+        "its pages are held: not the scrub's to touch"
+    );
+    assert_eq!(bit(5), 1);
+    a.free_leaked_pages(unit(4), PAGES_PER_SLAB).unwrap();
+    a.free_leaked_pages(unit(5), PAGES_PER_SLAB).unwrap();
+    for w in &a.slabs[5].bits {
+        w.store(u64::MAX, Ordering::Relaxed);
+    }
+    assert!(a.scrub_unit(5));
+    assert!(a.slabs[5]
+        .bits
+        .iter()
+        .all(|w| w.load(Ordering::Relaxed) == 0));
+    a.audit().unwrap();
+    assert_eq!(a.usage().used, 0);
+}
+
 #[test]
 fn a_dead_setups_block_bits_are_cleared_while_its_pages_are_held_or_once_they_are_free() {
     let h = HeapAllocator::new(4 << 20);
