@@ -1025,6 +1025,86 @@ fn threads_allocate_and_free_concurrently() {
     assert_eq!(a.usage().used, 0);
 }
 
+/// The leak sweep's two slab repairs, at the allocator. A freer killed just before its
+/// retiring CAS leaves an empty slab that is not its class's current one: retired, its
+/// pages back; the current slab, empty too, stays. A claimer killed between reserving
+/// and setting its bit leaves the live count one too high, so the slab could never
+/// retire: the reservation is dropped, and the last free retires the slab. Indices out
+/// of range (read from shared memory) are refused, without a panic.
+#[test]
+fn the_sweeps_slab_repairs_retire_what_a_dead_freer_left_and_drop_dead_reservations() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let size = CLASS_SIZES[CLASSES as usize - 1];
+    let class = CLASSES as usize - 1;
+    let tag = (class as u64 + 1) << 16;
+    // Two full slabs of 4; the second is the current one.
+    let mut held: Vec<Block> = (0..8).map(|_| a.alloc(size).unwrap()).collect();
+    held.sort_by_key(|b| b.offset);
+    let (older, current) = (0, 1);
+    assert_eq!(held[0].offset / SLAB, older as u64);
+    assert_eq!(a.hint(class).load(Ordering::Relaxed), current as u64 + 1);
+    // The dead freer: the older slab's blocks freed, its state back at `tag` (live 0)
+    // as if its last free's retiring CAS never ran.
+    for b in held.drain(..4) {
+        a.free(b).unwrap();
+    }
+    assert_eq!(a.usage().slabs, 1, "the last free retired it");
+    a.claim_run(0, PAGES_PER_SLAB).unwrap();
+    a.slabs[older].state.store(tag, Ordering::Relaxed);
+    assert_eq!(a.usage().slabs, 2);
+    assert!(!a.retire_if_empty(a.slabs.len(), class));
+    // A class past the last, even where a scribbled state names it.
+    let beyond = CLASSES as usize;
+    a.slabs[older]
+        .state
+        .store((beyond as u64 + 1) << 16 | 1, Ordering::Relaxed);
+    a.drop_leaked_reservations(older, beyond, 1);
+    a.slabs[older]
+        .state
+        .store((beyond as u64 + 1) << 16, Ordering::Relaxed);
+    assert!(!a.retire_if_empty(older, beyond));
+    a.slabs[older].state.store(tag, Ordering::Relaxed);
+    assert!(
+        !a.retire_if_empty(older, class - 1),
+        "not that class's slab"
+    );
+    assert!(a.retire_if_empty(older, class));
+    assert_eq!(a.usage().slabs, 1);
+    assert_eq!(a.slabs[older].state.load(Ordering::Relaxed), 0);
+    // The current slab, emptied, stays: it is the class's hint.
+    for b in held.drain(..) {
+        a.free(b).unwrap();
+    }
+    assert!(!a.retire_if_empty(current, class));
+    assert_eq!(a.usage().slabs, 1);
+    a.flush_idle_slabs();
+    a.audit().unwrap();
+
+    // The dead claimer: a slab (not the current one) with one block and one reservation
+    // that no bit stands for.
+    let mut held: Vec<Block> = (0..8).map(|_| a.alloc(size).unwrap()).collect();
+    held.sort_by_key(|b| b.offset);
+    let s = (held[0].offset / SLAB) as usize;
+    assert_ne!(a.hint(class).load(Ordering::Relaxed), s as u64 + 1);
+    let last = held.remove(0);
+    for b in held.drain(..3) {
+        a.free(b).unwrap();
+    }
+    a.slabs[s].state.fetch_add(1, Ordering::Relaxed);
+    a.drop_leaked_reservations(a.slabs.len(), class, 1);
+    a.drop_leaked_reservations(s, CLASSES as usize, 1);
+    assert_eq!(a.slabs[s].state.load(Ordering::Relaxed), tag | 2);
+    a.drop_leaked_reservations(s, class, 1);
+    assert_eq!(a.slabs[s].state.load(Ordering::Relaxed), tag | 1);
+    a.free(last).unwrap();
+    assert_eq!(a.slabs[s].state.load(Ordering::Relaxed), 0, "retired");
+    held.into_iter().for_each(|b| a.free(b).unwrap());
+    a.flush_idle_slabs();
+    assert_eq!(a.usage().slabs, 0);
+    a.audit().unwrap();
+}
+
 /// The two scrubs touch only the unit they are given: two setups in progress (or dead)
 /// at units 4 and 5, with free pages below them. Scrubbing unit 4's leaked run leaves
 /// unit 5's bits; `scrub_unit` leaves a unit whose pages are held, and clears one whose
