@@ -564,8 +564,8 @@ fn empty_slabs_return_their_pages() {
 fn a_slab_hands_out_each_of_its_blocks_and_finds_every_freed_one() {
     let h = HeapAllocator::new(1 << 20);
     let a = h.get();
-    for class in 0..CLASSES as usize {
-        let (size, cap) = (CLASS_SIZES[class], blocks_per_slab(class));
+    for (class, &size) in CLASS_SIZES.iter().enumerate() {
+        let cap = blocks_per_slab(class);
         let mut blocks: Vec<Block> = (0..cap).map(|_| a.alloc(size).unwrap()).collect();
         let slab = blocks[0].offset / SLAB;
         let mut offsets: Vec<u64> = blocks.iter().map(|b| b.offset - slab * SLAB).collect();
