@@ -673,6 +673,124 @@ mod tests {
     }
 
     #[test]
+    fn a_released_slot_adds_its_counts_to_the_totals_and_starts_from_zero() {
+        let (h, held) = slots(1);
+        let a = MemLocks {
+            holders: &held,
+            id: 0,
+        };
+        let totals = Counters::default();
+        for (k, t) in totals.all().iter().enumerate() {
+            t.store(100 * k as u64, Ordering::Relaxed);
+        }
+        let c = Clients::new(&h, &a, None).folding_into(&totals);
+        assert_eq!(c.try_claim(0, true), Some(Claimed::Fresh));
+        for (k, m) in h[0].counters.all().iter().enumerate() {
+            m.store(k as u64 + 1, Ordering::Relaxed);
+        }
+        c.detach(0);
+        let after: Vec<u64> = totals
+            .all()
+            .iter()
+            .map(|t| t.load(Ordering::Relaxed))
+            .collect();
+        let want: Vec<u64> = (0..COUNTERS as u64)
+            .map(|k| {
+                if k + 1 == COUNTERS as u64 {
+                    100 * k
+                } else {
+                    101 * k + 1
+                }
+            })
+            .collect();
+        assert_eq!(after, want, "every count but pins added, pins not carried");
+        assert!(
+            h[0].counters
+                .all()
+                .iter()
+                .all(|m| m.load(Ordering::Relaxed) == 0),
+            "the next holder starts from zero"
+        );
+        let (started, finished, _) = c.ops(0);
+        assert_eq!(started, finished + 1, "the fold is a step, left begun");
+        assert_eq!(c.try_claim(0, true), Some(Claimed::Fresh));
+        let (started, finished, _) = c.ops(0);
+        assert_eq!(started, finished, "a fresh claim starts quiet");
+    }
+
+    #[test]
+    fn a_slot_whose_recoverer_died_is_taken_by_the_next_mover_and_a_forged_recoverer_is_dead() {
+        let (h, held) = slots(3);
+        let l: Vec<MemLocks> = (0..4).map(|id| MemLocks { holders: &held, id }).collect();
+        for (i, lk) in l.iter().enumerate().take(3) {
+            assert_eq!(
+                Clients::new(&h, lk, None).try_claim(i as u64, true),
+                Some(Claimed::Fresh)
+            );
+        }
+        assert!(l[0].try_lock(0), "a lock we hold is ours again");
+        held[2].store(0, Ordering::Relaxed); // 2 dies
+        assert!(Clients::new(&h, &l[1], Some(1))
+            .claim_for_recovery(2)
+            .is_some());
+        held[1].store(0, Ordering::Relaxed); // its recoverer dies too
+                                             // A process attaching into slot 2 finds it RECOVERING by a dead slot: it takes
+                                             // the recovery over (as itself) instead of waiting for a recoverer that is gone.
+        let mover = Clients::new(&h, &l[3], None);
+        assert_eq!(mover.try_claim(2, true), Some(Claimed::Dead));
+        assert_eq!(recoverer_of(mover.ctl(2)), Some(2));
+        assert!(mover.finish_claim(2));
+        let c0 = Clients::new(&h, &l[0], Some(0));
+        assert_eq!(c0.liveness(2), Liveness::Alive);
+        // A recoverer index past the slots (a corrupt word) is nobody: the slot is free
+        // to take, for a mover and for a recoverer, and nothing looks past the locks.
+        let forged = (mover.ctl(1) >> 24) << 24 | 4 << 8 | CLIENT_RECOVERING;
+        assert_eq!(recoverer_of(forged), Some(3));
+        h[1].ctl.store(forged, Ordering::Relaxed);
+        assert_eq!(c0.liveness(1), Liveness::Recovering);
+        assert!(c0.claim_for_recovery(1).is_some());
+        h[1].ctl.store(forged, Ordering::Relaxed);
+        assert_eq!(
+            Clients::new(&h, &l[1], None).try_claim(1, true),
+            Some(Claimed::Dead)
+        );
+    }
+
+    #[test]
+    fn a_mover_finishes_a_claim_a_racing_recoverer_released_and_not_one_it_still_holds() {
+        let (h, held) = slots(2);
+        let l: Vec<MemLocks> = (0..3).map(|id| MemLocks { holders: &held, id }).collect();
+        for (i, lk) in l.iter().enumerate().take(2) {
+            assert_eq!(
+                Clients::new(&h, lk, None).try_claim(i as u64, true),
+                Some(Claimed::Fresh)
+            );
+        }
+        held[1].store(0, Ordering::Relaxed); // 1 dies
+        let mover = Clients::new(&h, &l[2], None);
+        assert_eq!(mover.try_claim(1, true), Some(Claimed::Dead));
+        // Recoverer 0 judged slot 1 dead before the mover locked it; its CAS lands now.
+        let c = mover.ctl(1);
+        let by0 = recovering_by(c, 0);
+        h[1].ctl.store(by0, Ordering::Relaxed);
+        assert!(!mover.finish_claim(1), "0 is still at work on it");
+        assert_eq!(held[1].load(Ordering::Relaxed), 0, "the mover let go");
+        assert_eq!(mover.ctl(1), by0, "and left 0's claim alone");
+        // Again, but 0 is done and has released the slot before the mover finishes.
+        assert_eq!(mover.try_claim(1, true), None, "a live recoverer's slot");
+        h[1].ctl.store(c, Ordering::Relaxed);
+        assert_eq!(mover.try_claim(1, true), Some(Claimed::Dead));
+        h[1].ctl.store(by0, Ordering::Relaxed);
+        Clients::new(&h, &l[0], Some(0)).release(1);
+        assert!(
+            mover.finish_claim(1),
+            "a slot released under it is the mover's"
+        );
+        assert_eq!(state_of(mover.ctl(1)), CLIENT_ALIVE);
+        assert!(!l[0].try_lock(1), "the mover holds the lock");
+    }
+
+    #[test]
     fn ops_counters_and_settling() {
         let (h, held) = slots(1);
         let a = MemLocks {
