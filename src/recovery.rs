@@ -436,3 +436,400 @@ fn mark(page_owned: &mut [u64], slab_named: &mut HashMap<usize, [u64; 16]>, b: &
         }
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::alloc::testing::HeapAllocator;
+    use crate::client::testing::MemLocks;
+    use crate::client::{begin_op, Claimed, ClientHeader};
+    use crate::sync::AtomicU64;
+    use crate::table::testing::HeapTable;
+    use crate::table::{Ctl, Entry};
+    use crate::ObjectId;
+
+    const HEAP: u64 = 1 << 20;
+    const CLIENTS: usize = 4;
+
+    /// What a [`World`] borrows: a table, an allocator, the globals and `CLIENTS` client
+    /// slots, each attached (slot `i`'s lock held by attachment id `i`).
+    struct Parts {
+        headers: Vec<ClientHeader>,
+        held: Vec<AtomicU64>,
+        table: HeapTable,
+        alloc: HeapAllocator,
+        globals: Globals,
+    }
+
+    impl Parts {
+        fn new() -> Self {
+            let p = Parts {
+                headers: (0..CLIENTS).map(|_| ClientHeader::default()).collect(),
+                held: (0..CLIENTS).map(|_| AtomicU64::new(0)).collect(),
+                table: HeapTable::new(32),
+                alloc: HeapAllocator::new(HEAP),
+                globals: Globals::default(),
+            };
+            for i in 0..CLIENTS as u64 {
+                let lk = p.locks(i);
+                assert_eq!(
+                    Clients::new(&p.headers, &lk, None).try_claim(i, true),
+                    Some(Claimed::Fresh)
+                );
+            }
+            p
+        }
+
+        fn locks(&self, id: u64) -> MemLocks<'_> {
+            MemLocks {
+                holders: &self.held,
+                id,
+            }
+        }
+
+        /// The world as client 0 sees it, through `locks` (client 0's).
+        fn world<'a>(&'a self, locks: &'a MemLocks<'a>) -> World<'a> {
+            World {
+                table: self.table.get(),
+                alloc: self.alloc.get(),
+                globals: &self.globals,
+                clients: Clients::new(&self.headers, locks, Some(0)),
+                me: 0,
+                heap_size: HEAP,
+                ops: &self.table,
+            }
+        }
+
+        /// Client `i`'s process dies: its lock goes.
+        fn kill(&self, i: usize) {
+            self.held[i].store(0, Ordering::SeqCst);
+        }
+
+        /// Claims dead client `d` and recovers it, as `recover_dead` does for each.
+        fn recover(&self, w: &World<'_>, d: u64, report: &mut RecoveryReport) {
+            assert!(w.clients.claim_for_recovery(d).is_some(), "client {d} dead");
+            w.recover_client(d, report);
+            w.clients.release(d);
+        }
+    }
+
+    /// An entry of `pages` pages at `offset`, created by `creator`: its block's size is
+    /// `pages * PAGE`, so that the bytes a recovery reports say which entries it freed.
+    fn entry(offset: u64, pages: u64, creator: u16) -> Entry {
+        Entry {
+            offset,
+            len: pages * PAGE,
+            meta_len: 0,
+            kind: BlockKind::Pages.encode(),
+            creator,
+        }
+    }
+
+    #[test]
+    fn recovering_a_dead_client_returns_exactly_what_it_held_and_nothing_of_the_living() {
+        let p = Parts::new();
+        let locks = p.locks(0);
+        let w = p.world(&locks);
+        let (ht, g) = (&p.table, &p.globals);
+        let (dead, live) = (ht.as_client(1), ht.as_client(2));
+        let id = |k: &str| ObjectId::of_key(k);
+        // Client 1's creation (1 page) is aborted; client 2's (8 pages) is left alone.
+        dead.insert(&id("a"), &entry(0, 1, 1)).unwrap();
+        live.insert(&id("b"), &entry(64 << 10, 8, 2)).unwrap();
+        // Client 1 pins two sealed objects: one deleted meanwhile (2 pages, freed with
+        // the dead pin), one live (16 pages, kept).
+        for (k, off, pages) in [("c", 128 << 10, 2), ("e", 256 << 10, 16)] {
+            let r = live.insert(&id(k), &entry(off, pages, 2)).unwrap();
+            live.seal(&id(k), r).unwrap();
+            assert!(matches!(
+                dead.pin(&id(k)).unwrap(),
+                crate::table::Pin::Pinned(..)
+            ));
+        }
+        assert_eq!(live.delete(&id("c")).unwrap(), None, "pinned: it drains");
+        // A DELETED entry nobody pins (4 pages): its retirer died before freeing it.
+        let r = live.insert(&id("d"), &entry(512 << 10, 4, 2)).unwrap();
+        live.seal(&id("d"), r).unwrap();
+        ht.set_ctl(r.index as usize, Ctl::new(DELETED, None, r.gen));
+        // Two table slots half-way through a step: client 1's goes back, client 2's stays.
+        let free: Vec<usize> = (0..32)
+            .filter(|&i| w.table.ctl(i).state() == FREE)
+            .collect();
+        let (orphan, busy) = (free[0], free[1]);
+        let (oc, bc) = (
+            Ctl::new(RESERVED, Some(1), 7),
+            Ctl::new(RESERVED, Some(2), 7),
+        );
+        ht.set_ctl(orphan, oc);
+        ht.set_ctl(busy, bc);
+
+        p.kill(1);
+        let mut report = RecoveryReport::default();
+        p.recover(&w, 1, &mut report);
+        let want = RecoveryReport {
+            clients_recovered: 1,
+            pins_released: 2,
+            creations_aborted: 1,
+            slots_returned: 1,
+            leaked_blocks_freed: 0,
+            bytes_reclaimed: (1 + 2 + 4) * PAGE,
+            sweep_pending: false,
+        };
+        assert_eq!(report, want);
+        let freed: Vec<u64> = ht.freed().iter().map(|(_, e)| e.len / PAGE).collect();
+        assert_eq!(
+            freed,
+            vec![2, 1, 4],
+            "the drained, the aborted, the deleted"
+        );
+        assert!(
+            w.table.contains_sealed(&id("e")),
+            "a pinned live object stays"
+        );
+        assert!(
+            w.table.contains_live(&id("b")),
+            "a live client's creation stays"
+        );
+        assert_eq!(w.table.ctl(orphan), Ctl::new(FREE, None, 8));
+        assert_eq!(w.table.ctl(busy), bc, "a live client's step is its own");
+        assert_eq!(g.recovered_clients.load(Ordering::SeqCst), 1);
+        assert_eq!(g.reclaimed_bytes.load(Ordering::SeqCst), 7 * PAGE);
+        assert_eq!(
+            g.sweeps_owed.load(Ordering::SeqCst),
+            1,
+            "a half-done step may have left its block claimed"
+        );
+
+        // Client 2 dies inside an allocator step (nothing else): a sweep is owed.
+        // Client 3 dies quiet: nothing is owed, and the totals grow by what each returned.
+        begin_op(&p.headers[2]);
+        ht.set_ctl(busy, Ctl::new(FREE, None, 8));
+        assert_eq!(
+            w.table.delete(&id("e")).unwrap(),
+            Some(entry(256 << 10, 16, 2)),
+            "its dead pin is gone: freed at once"
+        );
+        p.kill(2);
+        p.kill(3);
+        let mut report = RecoveryReport::default();
+        for d in [2, 3] {
+            p.recover(&w, d, &mut report);
+            assert_eq!(g.sweeps_owed.load(Ordering::SeqCst), 2, "after client {d}");
+        }
+        assert_eq!(report.clients_recovered, 2);
+        assert_eq!(report.creations_aborted, 1, "client 2's creation");
+        assert_eq!(report.bytes_reclaimed, 8 * PAGE);
+        assert_eq!(g.recovered_clients.load(Ordering::SeqCst), 3);
+        assert_eq!(g.reclaimed_bytes.load(Ordering::SeqCst), 15 * PAGE);
+    }
+
+    #[test]
+    fn an_interrupted_recovery_claims_every_dead_client_and_leaves_them_recovering() {
+        let p = Parts::new();
+        let locks = p.locks(0);
+        let w = p.world(&locks);
+        p.kill(1);
+        p.kill(3);
+        assert_eq!(w.recover_dead_interrupted(), 2);
+        for d in [1, 3] {
+            assert_eq!(w.clients.liveness(d), Liveness::Recovering);
+        }
+        assert_eq!(w.clients.liveness(2), Liveness::Alive);
+        assert_eq!(w.recover_dead_interrupted(), 0, "in hand already");
+    }
+
+    #[test]
+    fn the_sweep_frees_only_unnamed_blocks_waits_for_a_live_sweeper_and_counts_exactly() {
+        let p = Parts::new();
+        let locks = p.locks(0);
+        let w = p.world(&locks);
+        let g = &p.globals;
+        let live = p.table.as_client(2);
+        let largest = CLASS_SIZES[CLASSES as usize - 1];
+        // Named by entries: a sealed 3-page run, a sealed 200-byte block, a 1-page run
+        // being created, and a block of the largest class deleted while pinned
+        // (draining). Leaked, named by no entry (their owner died inside a step): a
+        // 2-page run, and the next block of each of the two slab classes.
+        let named = [
+            ("run", w.alloc.alloc(3 * PAGE).unwrap(), 3 * PAGE),
+            ("small", w.alloc.alloc(200).unwrap(), 200),
+            ("creating", w.alloc.alloc(PAGE).unwrap(), PAGE),
+            ("draining", w.alloc.alloc(largest).unwrap(), largest),
+        ];
+        let leaked = [
+            w.alloc.alloc(2 * PAGE).unwrap(),
+            w.alloc.alloc(200).unwrap(),
+            w.alloc.alloc(largest).unwrap(),
+        ];
+        for b in &leaked[1..] {
+            assert!(
+                b.offset / SLAB > 0 && b.offset % SLAB > 0,
+                "{b:?}: not the first slab, not its first block"
+            );
+        }
+        for (k, b, len) in named {
+            let id = ObjectId::of_key(k);
+            let e = Entry {
+                offset: b.offset,
+                len,
+                meta_len: 0,
+                kind: b.kind.encode(),
+                creator: 2,
+            };
+            let r = live.insert(&id, &e).unwrap();
+            if k != "creating" {
+                live.seal(&id, r).unwrap();
+            }
+        }
+        assert!(matches!(
+            live.pin(&ObjectId::of_key("draining")).unwrap(),
+            crate::table::Pin::Pinned(..)
+        ));
+        assert_eq!(live.delete(&ObjectId::of_key("draining")).unwrap(), None);
+        g.sweeps_owed.store(1, Ordering::SeqCst);
+        // Client 3 holds the sweep token and runs: nobody else sweeps.
+        g.sweeper.store(3 + 1, Ordering::SeqCst);
+        let mut report = RecoveryReport::default();
+        assert!(!w.sweep(&mut report));
+        assert!(report.sweep_pending);
+        assert_eq!(report.leaked_blocks_freed, 0);
+        // Client 3 dies: recovering it drops its token.
+        p.kill(3);
+        let mut report = RecoveryReport::default();
+        p.recover(&w, 3, &mut report);
+        assert_eq!(g.sweeper.load(Ordering::SeqCst), 0);
+        // What the recovery found before the sweep stays in the report; the store-wide
+        // counts grow by what the sweep alone found.
+        let before = RecoveryReport {
+            leaked_blocks_freed: 3,
+            bytes_reclaimed: 5 * PAGE,
+            ..report
+        };
+        let mut report = before;
+        assert!(w.sweep(&mut report));
+        let swept: u64 = leaked.iter().map(|b| b.size).sum();
+        assert_eq!(report.leaked_blocks_freed, 3 + 3);
+        assert_eq!(report.bytes_reclaimed, 5 * PAGE + swept);
+        assert!(!report.sweep_pending);
+        assert_eq!(g.leaked_blocks_freed.load(Ordering::SeqCst), 3);
+        assert_eq!(g.reclaimed_bytes.load(Ordering::SeqCst), swept);
+        assert_eq!(g.sweeps_owed.load(Ordering::SeqCst), 0);
+        assert_eq!(
+            g.sweeper.load(Ordering::SeqCst),
+            0,
+            "the token is given back"
+        );
+        // The counts (nobody counted these entries) now say what the table holds.
+        let c = g.census(&p.headers);
+        let used: u64 = named.iter().map(|(_, b, _)| b.size).sum();
+        assert_eq!((c.used, c.objects, c.creating, c.draining), (used, 2, 1, 1));
+        // The leaked blocks are free (freeing them again is refused); the named are not.
+        for b in leaked {
+            assert!(w.alloc.free(b).is_err(), "{b:?} still held");
+        }
+        for (_, b, _) in named {
+            assert!(w.alloc.free(b).is_ok(), "{b:?} freed by the sweep");
+        }
+        // Nothing owed: the sweep does nothing.
+        let mut report = RecoveryReport::default();
+        assert!(w.sweep(&mut report));
+        assert_eq!(report, RecoveryReport::default());
+    }
+
+    #[test]
+    fn the_sweep_frees_a_leaked_block_past_a_slabs_first_word() {
+        let p = Parts::new();
+        let locks = p.locks(0);
+        let w = p.world(&locks);
+        // 66 blocks of the smallest class in one slab; the first 64 freed again, the
+        // last two leaked: their bits sit in the slab's second bitmap word.
+        let mut held: Vec<Block> = (0..66).map(|_| w.alloc.alloc(1).unwrap()).collect();
+        held.sort_by_key(|b| b.offset);
+        let leaked = held.split_off(64);
+        for b in held {
+            w.alloc.free(b).unwrap();
+        }
+        for b in &leaked {
+            assert_eq!(
+                (b.offset % SLAB) / CLASS_SIZES[0] / 64,
+                1,
+                "{b:?}: in the second word"
+            );
+        }
+        p.globals.sweeps_owed.store(1, Ordering::SeqCst);
+        let mut report = RecoveryReport::default();
+        assert!(w.sweep(&mut report));
+        assert_eq!(report.leaked_blocks_freed, 2);
+        assert_eq!(report.bytes_reclaimed, 2 * CLASS_SIZES[0]);
+        for b in leaked {
+            assert!(w.alloc.free(b).is_err(), "{b:?} still held");
+        }
+    }
+
+    #[test]
+    fn the_sweep_drops_a_dead_claimers_reservation_and_retires_the_slab_a_dead_freer_left() {
+        let p = Parts::new();
+        let locks = p.locks(0);
+        let w = p.world(&locks);
+        let class = CLASSES as usize - 1;
+        let (size, tag) = (CLASS_SIZES[class], (class as u64 + 1) << 16);
+        let per = blocks_in_slab(class) as usize;
+        // Three full slabs of the largest class; the last is the class's current one.
+        let mut held: Vec<Block> = (0..3 * per).map(|_| w.alloc.alloc(size).unwrap()).collect();
+        held.sort_by_key(|b| b.offset);
+        let slab_of = |b: &Block| (b.offset / SLAB) as usize;
+        let (first, middle, current) = (
+            slab_of(&held[0]),
+            slab_of(&held[per]),
+            slab_of(&held[2 * per]),
+        );
+        let mut slabs = held.chunks(per).map(|c| c.to_vec());
+        let (in_first, in_middle, in_current) = (
+            slabs.next().unwrap(),
+            slabs.next().unwrap(),
+            slabs.next().unwrap(),
+        );
+        // The first slab keeps one block, named by an entry, and gets a reservation a
+        // dead claimer left without its bit.
+        let kept = in_first[0];
+        let e = Entry {
+            offset: kept.offset,
+            len: size,
+            meta_len: 0,
+            kind: kept.kind.encode(),
+            creator: 2,
+        };
+        let id = ObjectId::of_key("kept");
+        let live = p.table.as_client(2);
+        let r = live.insert(&id, &e).unwrap();
+        live.seal(&id, r).unwrap();
+        for b in in_first[1..].iter().chain(&in_middle).chain(&in_current) {
+            w.alloc.free(*b).unwrap();
+        }
+        p.alloc.leave_dead_reservation(first);
+        assert_eq!(p.alloc.slab_state(first), tag | 2);
+        // The middle slab: its last free retired it; put it back as a freer killed
+        // before that retiring CAS leaves it. The current slab, empty, stays a slab.
+        assert_eq!(p.alloc.slab_state(middle), 0);
+        p.alloc.leave_unretired(middle, class);
+        assert_eq!(p.alloc.slab_state(current), tag);
+        let slabs_before = w.alloc.usage().slabs;
+        p.globals.sweeps_owed.store(1, Ordering::SeqCst);
+        let mut report = RecoveryReport::default();
+        assert!(w.sweep(&mut report));
+        assert_eq!(report.leaked_blocks_freed, 0, "neither is a leaked block");
+        assert_eq!(
+            p.alloc.slab_state(first),
+            tag | 1,
+            "the dead reservation dropped"
+        );
+        assert_eq!(p.alloc.slab_state(middle), 0, "retired");
+        assert_eq!(p.alloc.slab_state(current), tag, "the current slab stays");
+        assert_eq!(w.alloc.usage().slabs, slabs_before - 1);
+        w.alloc.audit().unwrap();
+        // The kept block's free now retires its slab: nothing holds it up.
+        assert_eq!(live.delete(&id).unwrap(), Some(e));
+        w.alloc.free(kept).unwrap();
+        assert_eq!(p.alloc.slab_state(first), 0);
+    }
+}

@@ -518,6 +518,29 @@ pub(crate) mod testing {
                 &self.hints,
             )
         }
+
+        /// Slab `s`'s state word, `(class + 1) << 16 | live` (0: not a slab).
+        pub(crate) fn slab_state(&self, s: usize) -> u64 {
+            self.slabs[s].state.load(Ordering::SeqCst)
+        }
+
+        /// Leaves slab `s` (retired, its pages free) as a freer of class `class` killed
+        /// just before its retiring CAS would have: its pages held, its state the
+        /// class's, nothing live in it.
+        pub(crate) fn leave_unretired(&self, s: usize, class: usize) {
+            let a = self.get();
+            a.claim_run(s as u64 * PAGES_PER_SLAB, PAGES_PER_SLAB)
+                .expect("the slab's pages are free");
+            self.slabs[s]
+                .state
+                .store((class as u64 + 1) << 16, Ordering::SeqCst);
+        }
+
+        /// Adds a reservation to slab `s` that no bit stands for, as a claimer killed
+        /// between reserving and setting its bit leaves.
+        pub(crate) fn leave_dead_reservation(&self, s: usize) {
+            self.slabs[s].state.fetch_add(1, Ordering::SeqCst);
+        }
     }
 }
 

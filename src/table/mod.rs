@@ -1159,6 +1159,11 @@ pub(crate) mod testing {
             Table::new(sections, me, self)
         }
 
+        /// Writes slot `i`'s control word as a process stopped mid-step would leave it.
+        pub(crate) fn set_ctl(&self, i: usize, c: Ctl) {
+            self.slots[i].ctl.store(c.0, Ordering::SeqCst);
+        }
+
         /// The blocks freed so far (each slot was released to FREE after its push).
         pub(crate) fn freed(&self) -> Vec<(SlotRef, Entry)> {
             self.freed.lock().unwrap().clone()
