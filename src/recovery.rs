@@ -487,14 +487,14 @@ mod tests {
             }
         }
 
-        /// The world as client 0 sees it, through `locks` (client 0's).
+        /// The world as the client whose `locks` these are sees it.
         fn world<'a>(&'a self, locks: &'a MemLocks<'a>) -> World<'a> {
             World {
-                table: self.table.get(),
+                table: self.table.as_client(locks.id as u16),
                 alloc: self.alloc.get(),
                 globals: &self.globals,
-                clients: Clients::new(&self.headers, locks, Some(0)),
-                me: 0,
+                clients: Clients::new(&self.headers, locks, Some(locks.id)),
+                me: locks.id,
                 heap_size: HEAP,
                 ops: &self.table,
             }
@@ -831,5 +831,54 @@ mod tests {
         assert_eq!(live.delete(&id).unwrap(), Some(e));
         w.alloc.free(kept).unwrap();
         assert_eq!(p.alloc.slab_state(first), 0);
+    }
+
+    #[test]
+    fn the_sweep_clears_the_bits_a_dead_setup_left_on_a_free_unit() {
+        let p = Parts::new();
+        let locks = p.locks(0);
+        let w = p.world(&locks);
+        let unit = (HEAP / SLAB) as usize - 1;
+        p.alloc.leave_stray_bits(unit);
+        assert!(w.alloc.audit().is_err(), "bits on a unit that is no slab");
+        p.globals.sweeps_owed.store(1, Ordering::SeqCst);
+        let mut report = RecoveryReport::default();
+        assert!(w.sweep(&mut report));
+        w.alloc.audit().unwrap();
+        assert_eq!(report, RecoveryReport::default(), "nothing was leaked");
+    }
+
+    #[test]
+    fn the_sweep_waits_while_a_client_is_inside_a_step_or_holds_raw_blocks() {
+        let p = Parts::new();
+        let locks = p.locks(2); // client 2 sweeps
+        let w = p.world(&locks);
+        let g = &p.globals;
+        let leak = w.alloc.alloc(PAGE).unwrap();
+        g.sweeps_owed.store(1, Ordering::SeqCst);
+        let stays_owed = |why: &str| {
+            let mut report = RecoveryReport::default();
+            assert!(!w.sweep(&mut report), "{why}");
+            assert!(report.sweep_pending, "{why}");
+            assert_eq!(report.leaked_blocks_freed, 0, "{why}");
+            assert_eq!(g.sweeps_owed.load(Ordering::SeqCst), 1, "{why}");
+            assert_eq!(g.sweeper.load(Ordering::SeqCst), 0, "{why}: token back");
+        };
+        begin_op(&p.headers[1]);
+        stays_owed("client 1 is inside a step: the leak may be its claim");
+        crate::client::end_op(&p.headers[1]);
+        p.headers[1].raw_blocks.store(1, Ordering::SeqCst);
+        stays_owed("client 1 holds a block no entry names");
+        p.headers[1].raw_blocks.store(0, Ordering::SeqCst);
+        let mut report = RecoveryReport::default();
+        assert!(w.sweep(&mut report));
+        assert_eq!(report.leaked_blocks_freed, 1);
+        assert!(w.alloc.free(leak).is_err(), "freed by the sweep");
+        assert_eq!(g.sweeps_owed.load(Ordering::SeqCst), 0);
+        assert_eq!(
+            g.sweeper.load(Ordering::SeqCst),
+            0,
+            "the token is given back"
+        );
     }
 }

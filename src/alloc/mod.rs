@@ -536,6 +536,15 @@ pub(crate) mod testing {
                 .store((class as u64 + 1) << 16, Ordering::SeqCst);
         }
 
+        /// Sets every block bit of unit `s`, which is no slab: what a process killed inside
+        /// new-slab setup leaves (with a sweeper of an earlier version killed after
+        /// freeing the unit's pages, before clearing them).
+        pub(crate) fn leave_stray_bits(&self, s: usize) {
+            for w in &self.slabs[s].bits {
+                w.store(!0, Ordering::SeqCst);
+            }
+        }
+
         /// Adds a reservation to slab `s` that no bit stands for, as a claimer killed
         /// between reserving and setting its bit leaves.
         pub(crate) fn leave_dead_reservation(&self, s: usize) {
