@@ -646,21 +646,26 @@ mod tests {
         let g = &p.globals;
         let live = p.table.as_client(2);
         let largest = CLASS_SIZES[CLASSES as usize - 1];
-        // Named by entries: a sealed 3-page run, a sealed 200-byte block, a 1-page run
-        // being created, and a block of the largest class deleted while pinned
-        // (draining). Leaked, named by no entry (their owner died inside a step): a
-        // 2-page run, and the next block of each of the two slab classes.
+        // Named by entries: a sealed 60-page run (pages 0-59), a sealed 200-byte block,
+        // a 5-page run being created, and a block of the largest class deleted while
+        // pinned (draining). Leaked, named by no entry (their owner died inside a step):
+        // an 8-page run across the first two bitmap words (pages 60-67), and the next
+        // block of each of the two slab classes. (Runs of up to 16 KiB are slab blocks.)
+        let low = w.alloc.alloc(60 * PAGE).unwrap();
+        let leaked_run = w.alloc.alloc(8 * PAGE).unwrap();
+        assert_eq!((low.offset, leaked_run.offset), (0, 60 * PAGE));
         let named = [
-            ("run", w.alloc.alloc(3 * PAGE).unwrap(), 3 * PAGE),
+            ("run", low, 60 * PAGE),
             ("small", w.alloc.alloc(200).unwrap(), 200),
-            ("creating", w.alloc.alloc(PAGE).unwrap(), PAGE),
+            ("creating", w.alloc.alloc(5 * PAGE).unwrap(), 5 * PAGE),
             ("draining", w.alloc.alloc(largest).unwrap(), largest),
         ];
         let leaked = [
-            w.alloc.alloc(2 * PAGE).unwrap(),
+            leaked_run,
             w.alloc.alloc(200).unwrap(),
             w.alloc.alloc(largest).unwrap(),
         ];
+        assert_eq!(named[2].1.kind, BlockKind::Pages);
         for b in &leaked[1..] {
             assert!(
                 b.offset / SLAB > 0 && b.offset % SLAB > 0,
@@ -854,7 +859,8 @@ mod tests {
         let locks = p.locks(2); // client 2 sweeps
         let w = p.world(&locks);
         let g = &p.globals;
-        let leak = w.alloc.alloc(PAGE).unwrap();
+        let leak = w.alloc.alloc(5 * PAGE).unwrap();
+        assert_eq!(leak.kind, BlockKind::Pages);
         g.sweeps_owed.store(1, Ordering::SeqCst);
         let stays_owed = |why: &str| {
             let mut report = RecoveryReport::default();
