@@ -742,32 +742,49 @@ mod tests {
     }
 
     #[test]
-    fn the_sweep_frees_a_leaked_block_past_a_slabs_first_word() {
+    fn the_sweep_tells_named_from_leaked_blocks_anywhere_in_a_slabs_bitmap() {
         let p = Parts::new();
         let locks = p.locks(0);
         let w = p.world(&locks);
-        // 66 blocks of the smallest class in one slab; the first 64 freed again, the
-        // last two leaked: their bits sit in the slab's second bitmap word.
-        let mut held: Vec<Block> = (0..66).map(|_| w.alloc.alloc(1).unwrap()).collect();
+        // A page run first (leaked too), so that the slab is not the heap's first unit.
+        let run = w.alloc.alloc(5 * PAGE).unwrap();
+        // 67 blocks of the smallest class in one slab. Named by entries: blocks 1 and 64
+        // (the second bitmap word); leaked: blocks 0, 65 and 66; the rest freed again.
+        let mut held: Vec<Block> = (0..67).map(|_| w.alloc.alloc(1).unwrap()).collect();
         held.sort_by_key(|b| b.offset);
-        let leaked = held.split_off(64);
-        for b in held {
-            w.alloc.free(b).unwrap();
+        let slab = held[0].offset / SLAB;
+        assert!(slab > 0 && held[0].offset % SLAB == 0, "{:?}", held[0]);
+        assert!(held.iter().all(|b| b.offset / SLAB == slab));
+        let named = [held[1], held[64]];
+        let leaked = [run, held[0], held[65], held[66]];
+        let live = p.table.as_client(2);
+        for (k, b) in named.iter().enumerate() {
+            let id = ObjectId::of_key(format!("named {k}"));
+            let e = Entry {
+                offset: b.offset,
+                len: 1,
+                meta_len: 0,
+                kind: b.kind.encode(),
+                creator: 2,
+            };
+            let r = live.insert(&id, &e).unwrap();
+            live.seal(&id, r).unwrap();
         }
-        for b in &leaked {
-            assert_eq!(
-                (b.offset % SLAB) / CLASS_SIZES[0] / 64,
-                1,
-                "{b:?}: in the second word"
-            );
+        for (i, b) in held.iter().enumerate() {
+            if ![0, 1, 64, 65, 66].contains(&i) {
+                w.alloc.free(*b).unwrap();
+            }
         }
         p.globals.sweeps_owed.store(1, Ordering::SeqCst);
         let mut report = RecoveryReport::default();
         assert!(w.sweep(&mut report));
-        assert_eq!(report.leaked_blocks_freed, 2);
-        assert_eq!(report.bytes_reclaimed, 2 * CLASS_SIZES[0]);
+        assert_eq!(report.leaked_blocks_freed, 4);
+        assert_eq!(report.bytes_reclaimed, 5 * PAGE + 3 * CLASS_SIZES[0]);
         for b in leaked {
             assert!(w.alloc.free(b).is_err(), "{b:?} still held");
+        }
+        for b in named {
+            assert!(w.alloc.free(b).is_ok(), "{b:?} freed by the sweep");
         }
     }
 
