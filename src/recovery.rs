@@ -904,4 +904,27 @@ mod tests {
             "the token is given back"
         );
     }
+
+    #[test]
+    fn the_sweep_frees_a_leaked_run_that_ends_at_the_heaps_end() {
+        let p = Parts::new();
+        let locks = p.locks(0);
+        let w = p.world(&locks);
+        let runs: Vec<Block> = (0..HEAP / (16 * PAGE))
+            .map(|_| w.alloc.alloc(16 * PAGE).unwrap())
+            .collect();
+        let top = *runs.iter().max_by_key(|b| b.offset).unwrap();
+        assert_eq!(top.offset + top.size, HEAP);
+        for b in runs.into_iter().filter(|b| *b != top) {
+            w.alloc.free(b).unwrap();
+        }
+        p.globals.sweeps_owed.store(1, Ordering::SeqCst);
+        let mut report = RecoveryReport::default();
+        assert!(w.sweep(&mut report));
+        assert_eq!(
+            (report.leaked_blocks_freed, report.bytes_reclaimed),
+            (1, 16 * PAGE)
+        );
+        assert!(w.alloc.free(top).is_err(), "freed by the sweep");
+    }
 }
