@@ -519,6 +519,18 @@ mod tests {
         )
     }
 
+    /// Attachment ids `0..n`, over `held`; the first `h.len()` each take their own slot.
+    fn attach_each<'a>(h: &[ClientHeader], held: &'a [AtomicU64], n: u64) -> Vec<MemLocks<'a>> {
+        let l: Vec<MemLocks> = (0..n).map(|id| MemLocks { holders: held, id }).collect();
+        for (i, lk) in l.iter().enumerate().take(h.len()) {
+            assert_eq!(
+                Clients::new(h, lk, None).try_claim(i as u64, true),
+                Some(Claimed::Fresh)
+            );
+        }
+        l
+    }
+
     #[test]
     fn claim_liveness_recovery_and_takeover() {
         let (h, held) = slots(3);
@@ -654,13 +666,7 @@ mod tests {
     #[test]
     fn a_dead_recoverers_claims_are_taken_over_with_it() {
         let (h, held) = slots(3);
-        let l: Vec<MemLocks> = (0..3).map(|id| MemLocks { holders: &held, id }).collect();
-        for (i, lk) in l.iter().enumerate() {
-            assert_eq!(
-                Clients::new(&h, lk, None).try_claim(i as u64, true),
-                Some(Claimed::Fresh)
-            );
-        }
+        let l = attach_each(&h, &held, 3);
         held[2].store(0, Ordering::Relaxed); // 2 dies
         assert!(Clients::new(&h, &l[1], Some(1))
             .claim_for_recovery(2)
@@ -721,13 +727,7 @@ mod tests {
     #[test]
     fn a_slot_whose_recoverer_died_is_taken_by_the_next_mover_and_a_forged_recoverer_is_dead() {
         let (h, held) = slots(3);
-        let l: Vec<MemLocks> = (0..4).map(|id| MemLocks { holders: &held, id }).collect();
-        for (i, lk) in l.iter().enumerate().take(3) {
-            assert_eq!(
-                Clients::new(&h, lk, None).try_claim(i as u64, true),
-                Some(Claimed::Fresh)
-            );
-        }
+        let l = attach_each(&h, &held, 4);
         assert!(l[0].try_lock(0), "a lock we hold is ours again");
         held[2].store(0, Ordering::Relaxed); // 2 dies
         assert!(Clients::new(&h, &l[1], Some(1))
@@ -759,13 +759,7 @@ mod tests {
     #[test]
     fn a_mover_finishes_a_claim_a_racing_recoverer_released_and_not_one_it_still_holds() {
         let (h, held) = slots(2);
-        let l: Vec<MemLocks> = (0..3).map(|id| MemLocks { holders: &held, id }).collect();
-        for (i, lk) in l.iter().enumerate().take(2) {
-            assert_eq!(
-                Clients::new(&h, lk, None).try_claim(i as u64, true),
-                Some(Claimed::Fresh)
-            );
-        }
+        let l = attach_each(&h, &held, 3);
         held[1].store(0, Ordering::Relaxed); // 1 dies
         let mover = Clients::new(&h, &l[2], None);
         assert_eq!(mover.try_claim(1, true), Some(Claimed::Dead));
