@@ -834,6 +834,7 @@ mod tests {
         // before that retiring CAS leaves it. The current slab, empty, stays a slab.
         assert_eq!(p.alloc.slab_state(middle), 0);
         p.alloc.leave_unretired(middle, class);
+        assert_eq!(p.alloc.slab_state(middle), tag, "the class's, nothing live");
         assert_eq!(p.alloc.slab_state(current), tag);
         let slabs_before = w.alloc.usage().slabs;
         p.globals.sweeps_owed.store(1, Ordering::SeqCst);

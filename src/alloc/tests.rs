@@ -24,6 +24,7 @@ fn classes_are_sorted_and_aligned() {
         assert!(c == 0 || CLASS_SIZES[c - 1] < size);
     }
     assert_eq!(class_of(MAX_SMALL + 1), None);
+    assert_eq!(class_of(0), None, "an empty request is no class's");
 }
 
 #[test]
@@ -157,11 +158,7 @@ fn a_leaked_run_up_to_the_heaps_end_is_freed_and_one_past_it_refused() {
     a.audit().unwrap();
 }
 
-/// The rule `best_run` implements, page by page: scan from `from`; the first run of
-/// at least `n` pages ends the window at its start + `FIT_WINDOW`, rounded up to a
-/// whole word (a run still open there is cut there); the smallest run of at least `n`
-/// wins, the lowest on ties, and the first exact fit ends the search.
-/// A xorshift64 generator from a nonzero `seed`: the tests' pseudo-random numbers, the
+/// A xorshift64 generator from a nonzero seed: the tests' pseudo-random numbers, the
 /// same on every run.
 fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
     move || {
@@ -172,6 +169,10 @@ fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
     }
 }
 
+/// The rule `best_run` implements, page by page: scan from `from`; the first run of
+/// at least `n` pages ends the window at its start + `FIT_WINDOW`, rounded up to a
+/// whole word (a run still open there is cut there); the smallest run of at least `n`
+/// wins, the lowest on ties, and the first exact fit ends the search.
 fn best_run_page_by_page(free: &[bool], n: u64, from: u64) -> Option<u64> {
     let npages = free.len() as u64;
     let mut stop = npages;
@@ -734,6 +735,210 @@ fn a_misaligned_forged_block_frees_nothing() {
     assert_eq!(a.usage().used, 256);
     a.free(live).unwrap();
     a.audit().unwrap();
+}
+
+/// A page block is refused, changing nothing, when any one of its three shapes is wrong:
+/// an offset inside a page, no bytes, or bytes that are not whole pages. Each is tried
+/// alone against a live 8-page run, so that no other check can refuse it in its place.
+#[test]
+fn a_page_block_misaligned_empty_or_not_whole_pages_is_refused_and_frees_nothing() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let live = a.alloc(8 * PAGE).unwrap();
+    assert_eq!(live.kind, BlockKind::Pages);
+    let before = a.usage();
+    let low_water = a.hints[CLASSES as usize].0.load(Ordering::Relaxed);
+    for forged in [
+        Block {
+            offset: live.offset + 64,
+            ..live
+        },
+        Block { size: 0, ..live },
+        Block {
+            size: live.size - 64,
+            ..live
+        },
+    ] {
+        assert!(
+            matches!(a.free(forged), Err(Error::Corrupted { .. })),
+            "{forged:?}"
+        );
+        assert_eq!(a.usage(), before, "{forged:?} changed the heap");
+        assert_eq!(
+            a.hints[CLASSES as usize].0.load(Ordering::Relaxed),
+            low_water,
+            "{forged:?} moved the low-water mark"
+        );
+    }
+    a.free(live).unwrap();
+    a.audit().unwrap();
+}
+
+/// `slab_live` (eviction planning's look at a slab) is the `live` count of a unit that
+/// is a slab, and `None` for a unit holding a page run, a free unit, a unit past the
+/// heap, and a state word with live bits but no class.
+#[test]
+fn slab_live_counts_a_slabs_blocks_and_names_no_other_unit() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let blocks: Vec<Block> = (0..3).map(|_| a.alloc(192).unwrap()).collect();
+    let s = blocks[0].offset / SLAB;
+    assert!(blocks.iter().all(|b| b.offset / SLAB == s));
+    let run = a.alloc(PAGES_PER_SLAB * PAGE).unwrap();
+    assert_eq!(run.offset % SLAB, 0);
+    let units = a.slabs.len() as u64;
+    assert_eq!(a.slab_live(s), Some(3));
+    assert_eq!(a.slab_live(run.offset / SLAB), None, "a page run");
+    let free = (0..units)
+        .find(|&u| {
+            a.next_free(u * PAGES_PER_SLAB, (u + 1) * PAGES_PER_SLAB)
+                .is_some()
+        })
+        .unwrap();
+    assert_eq!(a.slab_live(free), None, "a free unit");
+    assert_eq!(a.slab_live(units), None, "past the heap");
+    assert_eq!(a.slab_live(u64::MAX), None);
+    a.free(blocks[2]).unwrap();
+    assert_eq!(a.slab_live(s), Some(2));
+    a.slabs[free as usize].state.store(5, Ordering::Relaxed);
+    assert_eq!(a.slab_live(free), None, "live bits, no class: no slab");
+    a.slabs[free as usize].state.store(0, Ordering::Relaxed);
+    blocks[..2].iter().for_each(|&b| a.free(b).unwrap());
+    a.free(run).unwrap();
+    a.audit().unwrap();
+}
+
+/// `usage` against a page-by-page look at the bitmaps, on a heap of 272 pages (its last
+/// bitmap word holds 16), through a random mix of slab blocks and page runs: used bytes
+/// are the blocks held; free pages are the clear bits; the largest free run counts the
+/// classes' idle current slabs as free; `full` and `largest_free` report the same
+/// figures. Bits past the heap's end (a scribble) count for nothing.
+#[test]
+fn usage_matches_a_page_by_page_look_on_a_heap_that_ends_inside_a_word() {
+    let h = HeapAllocator::new((1 << 20) + SLAB);
+    let a = h.get();
+    let npages = a.npages;
+    assert_eq!(npages % 64, 16);
+    let check = |held: &[Block]| {
+        let snap = a.snapshot();
+        let taken = |p: u64| snap.pages[(p / 64) as usize] >> (p % 64) & 1 == 1;
+        let idle: Vec<usize> = a.idle_slabs().as_slice().iter().map(|x| x.slab).collect();
+        let idle_page = |p: u64| idle.contains(&((p / PAGES_PER_SLAB) as usize));
+        let (mut largest, mut run) = (0, 0);
+        for p in 0..npages {
+            run = if taken(p) && !idle_page(p) {
+                0
+            } else {
+                run + 1
+            };
+            largest = largest.max(run);
+        }
+        let free_pages = (0..npages).filter(|&p| !taken(p)).count() as u64;
+        let slabs = snap
+            .slabs
+            .iter()
+            .filter(|(st, _)| (1..=CLASSES).contains(&(st >> 16)))
+            .count() as u64;
+        let used: u64 = held.iter().map(|b| b.size).sum();
+        let u = a.usage();
+        let want = Usage {
+            capacity: npages * PAGE,
+            used,
+            free: npages * PAGE - used,
+            free_pages_bytes: free_pages * PAGE,
+            largest_free: largest * PAGE,
+            slabs,
+        };
+        assert_eq!(u, want, "held {held:?}");
+        assert_eq!(a.largest_free(), want.largest_free);
+        match a.full(7) {
+            Error::Full {
+                requested,
+                free,
+                largest_free,
+            } => assert_eq!(
+                (requested, largest_free),
+                (7, want.largest_free),
+                "free {free}"
+            ),
+            e => panic!("{e:?}"),
+        }
+        idle.len()
+    };
+    let mut next = xorshift(0x5eed);
+    let mut held: Vec<Block> = Vec::new();
+    let mut saw_idle = false;
+    let steps = if cfg!(miri) { 20 } else { 3000 };
+    for _ in 0..steps {
+        if held.is_empty() || next() % 5 < 3 {
+            let size = match next() % 4 {
+                0 => 1 + next() % MAX_SMALL,
+                1 => 64,
+                2 => MAX_SMALL + 1 + next() % (4 * SLAB),
+                _ => (1 + next() % 24) * PAGE,
+            };
+            if let Some(b) = a.try_alloc(size).unwrap() {
+                held.push(b);
+            }
+        } else {
+            let i = (next() % held.len() as u64) as usize;
+            a.free(held.swap_remove(i)).unwrap();
+        }
+        saw_idle |= check(&held) > 0;
+    }
+    assert!(saw_idle, "the mix left no idle slab to count");
+    // A scribble past the heap's end: the last word's 48 bits that name no page.
+    let last = &a.pages[a.pages.len() - 1];
+    let before = a.usage();
+    last.fetch_or(!range_mask(0, 16), Ordering::Relaxed);
+    assert_eq!(a.usage(), before);
+    last.fetch_and(range_mask(0, 16), Ordering::Relaxed);
+    held.into_iter().for_each(|b| a.free(b).unwrap());
+    a.flush_idle_slabs();
+    assert_eq!(a.usage().largest_free, npages * PAGE);
+    a.audit().unwrap();
+}
+
+/// `audit` refuses each bad slab state alone: a class past the last, more block bits
+/// than `live`, more `live` than the slab has blocks, live bits on a unit with no class,
+/// and a class on a unit whose pages are free. A slab of the last class is a slab.
+#[test]
+fn audit_refuses_each_bad_slab_state_alone() {
+    let h = HeapAllocator::new(1 << 20);
+    let a = h.get();
+    let class = CLASSES as usize - 1;
+    let tag = (class as u64 + 1) << 16;
+    let b = a.alloc(CLASS_SIZES[class]).unwrap();
+    let s = (b.offset / SLAB) as usize;
+    let state = &a.slabs[s].state;
+    assert_eq!(state.load(Ordering::Relaxed), tag | 1);
+    a.audit().unwrap();
+    assert_eq!(blocks_per_slab(class), 4);
+    for (st, why) in [
+        ((CLASSES + 1) << 16 | 1, "a class past the last"),
+        (tag, "one bit set, none live"),
+        (tag | 5, "5 live in a slab of 4"),
+    ] {
+        state.store(st, Ordering::Relaxed);
+        assert!(
+            matches!(a.audit(), Err(Error::Corrupted { .. })),
+            "{why} passed"
+        );
+    }
+    state.store(tag | 4, Ordering::Relaxed);
+    a.audit().unwrap();
+    state.store(tag | 1, Ordering::Relaxed);
+    let free = (s + 1) % a.slabs.len();
+    for (st, why) in [(3, "live bits, no class"), (tag, "a class, its pages free")] {
+        a.slabs[free].state.store(st, Ordering::Relaxed);
+        assert!(
+            matches!(a.audit(), Err(Error::Corrupted { .. })),
+            "{why} passed"
+        );
+    }
+    a.slabs[free].state.store(0, Ordering::Relaxed);
+    a.audit().unwrap();
+    a.free(b).unwrap();
 }
 
 /// Each slab keeps its partial mark while it has a freed block: a claimer that finds one
