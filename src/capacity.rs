@@ -289,9 +289,9 @@ impl Stretch {
 /// slabs the page owners do not describe. One scan of the table lays the heap out in
 /// address order (page runs; slabs, freeable only if every live block in them is a
 /// sealed object eviction may take now; free pages between them), finds the contiguous
-/// window of at least `need` bytes that evicts the fewest bytes, and evicts it. Costs
-/// one pass over the table's slots, at most once per request, against evicting the
-/// whole store. Returns whether it evicted the whole window.
+/// window of at least `need` bytes that evicts the fewest bytes (the lowest on a tie),
+/// and evicts it. Costs one pass over the table's slots, at most once per request,
+/// against evicting the whole store. Returns whether it evicted the whole window.
 fn evict_window(
     table: &Table<'_>,
     alloc: &Allocator<'_>,
@@ -534,7 +534,374 @@ pub(crate) fn wait_for_space<T>(
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::alloc::testing::HeapAllocator;
     use crate::client::ClientHeader;
+    use crate::table::testing::{HeapTable, HEAP_STRIDE};
+    use crate::table::{Pin, Reclaimer, Sections, SlotRef};
+    use crate::ObjectId;
+    use std::sync::Mutex;
+
+    /// 64 pages: four 64 KiB units.
+    const HEAP: u64 = 256 << 10;
+
+    /// A heap-backed store core for eviction: a table whose reclaimer gives each freed
+    /// block back to the allocator (as the store's does) and records it, the page
+    /// owners, the globals and one client's counters.
+    struct Heap {
+        table: HeapTable,
+        alloc: HeapAllocator,
+        owners: Vec<AtomicU32>,
+        globals: Globals,
+        counters: Counters,
+        freed: Mutex<Vec<Entry>>,
+    }
+
+    impl Reclaimer for Heap {
+        fn reclaim(&self, table: &Table<'_>, r: SlotRef, e: Entry) {
+            let (block, _) = e.block(HEAP).unwrap();
+            self.alloc.get().free(block).unwrap();
+            self.freed.lock().unwrap().push(e);
+            table.release(r);
+        }
+    }
+
+    impl Heap {
+        fn new() -> Self {
+            Heap {
+                table: HeapTable::new(64),
+                alloc: HeapAllocator::new(HEAP),
+                owners: (0..HEAP / PAGE).map(|_| AtomicU32::new(0)).collect(),
+                globals: Globals::default(),
+                counters: Counters::default(),
+                freed: Mutex::default(),
+            }
+        }
+
+        fn table(&self) -> Table<'_> {
+            let t = &self.table;
+            let sections = Sections {
+                slots: &t.slots,
+                buckets: &t.buckets,
+                waits: &t.waits,
+                pins: &t.pins,
+                stride: HEAP_STRIDE,
+            };
+            Table::new(sections, 0, self)
+        }
+
+        /// Allocates `size` bytes and seals object `k` over them, recording a page run's
+        /// owner as the store does.
+        fn put(&self, k: &str, size: u64) -> (Block, SlotRef) {
+            let b = self.alloc.get().alloc(size).unwrap();
+            let r = self.name(k, b);
+            self.table().seal(&ObjectId::of_key(k), r).unwrap();
+            (b, r)
+        }
+
+        /// Inserts an entry `k` naming block `b`, and records its owner; not sealed.
+        fn name(&self, k: &str, b: Block) -> SlotRef {
+            let e = Entry {
+                offset: b.offset,
+                len: b.size,
+                meta_len: 0,
+                kind: b.kind.encode(),
+                creator: 0,
+            };
+            let r = self.table().insert(&ObjectId::of_key(k), &e).unwrap();
+            PageOwners(&self.owners).record(&b, r.index as usize);
+            r
+        }
+
+        fn pin(&self, k: &str) {
+            let got = self.table().pin(&ObjectId::of_key(k)).unwrap();
+            assert!(matches!(got, Pin::Pinned(..)), "{k}: {got:?}");
+        }
+
+        /// Takes `k` out as an earlier victim did: deleted and its block freed.
+        fn evict_by_hand(&self, k: &str) -> Block {
+            let e = self.table().delete(&ObjectId::of_key(k)).unwrap().unwrap();
+            e.block(HEAP).unwrap().0
+        }
+
+        /// The offsets of the blocks freed so far, in page units, sorted.
+        fn freed_pages(&self) -> Vec<u64> {
+            let mut v: Vec<u64> = self
+                .freed
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|e| e.offset / PAGE)
+                .collect();
+            v.sort_unstable();
+            v
+        }
+
+        fn widen(&self, victim: Block, need_pages: u64) -> bool {
+            let before = self.freed.lock().unwrap().len();
+            let t = self.table();
+            let owners = PageOwners(&self.owners);
+            let widened = widen(
+                &t,
+                &self.alloc.get(),
+                &owners,
+                victim,
+                need_pages * PAGE,
+                &self.counters,
+            )
+            .unwrap();
+            assert_eq!(
+                self.counters.evicted.load(Ordering::Relaxed),
+                (self.freed.lock().unwrap().len() - before) as u64
+            );
+            widened
+        }
+
+        fn evict_window(&self, need_pages: u64) -> bool {
+            evict_window(
+                &self.table(),
+                &self.alloc.get(),
+                need_pages * PAGE,
+                &self.counters,
+            )
+            .unwrap()
+        }
+    }
+
+    /// Six page runs over the whole heap: R0 at pages 0..8, R1 8..16, R2 16..24, R3
+    /// 24..40, R4 40..48, R5 48..64.
+    fn six_runs() -> Heap {
+        let h = Heap::new();
+        for (k, pages) in [
+            ("R0", 8),
+            ("R1", 8),
+            ("R2", 8),
+            ("R3", 16),
+            ("R4", 8),
+            ("R5", 16),
+        ] {
+            h.put(k, pages * PAGE);
+        }
+        assert_eq!(h.alloc.get().usage().free, 0);
+        h
+    }
+
+    /// Page owners record a run's slot at its first and last page and nowhere else; a
+    /// slab block, an empty block and a page past the heap record nothing.
+    #[test]
+    fn page_owners_name_a_runs_slot_at_its_first_and_last_page() {
+        let owners: Vec<AtomicU32> = (0..64).map(|_| AtomicU32::new(0)).collect();
+        let o = PageOwners(&owners);
+        let run = |first: u64, pages: u64| Block {
+            offset: first * PAGE,
+            size: pages * PAGE,
+            kind: BlockKind::Pages,
+        };
+        o.record(&run(3, 5), 9);
+        o.record(&run(20, 1), 4);
+        o.record(
+            &Block {
+                size: 0,
+                ..run(30, 1)
+            },
+            2,
+        );
+        o.record(
+            &Block {
+                kind: BlockKind::Slab(0),
+                ..run(40, 1)
+            },
+            2,
+        );
+        o.record(&run(62, 4), 7);
+        let named: Vec<(u64, usize)> = (0..70).filter_map(|p| Some((p, o.at(p)?))).collect();
+        assert_eq!(named, [(3, 9), (7, 9), (20, 4), (62, 7)]);
+    }
+
+    /// Widening takes, at each step, the neighbour that completes the hole, or else the
+    /// smaller one (the upper on a tie), and plans before it evicts.
+    #[test]
+    fn widening_takes_the_neighbour_that_completes_the_hole_else_the_smaller() {
+        // R1's hole (8 pages) needs 16 more for 24: R2 (a tie of 8 and 8: up), then R0
+        // and R3 both complete it and R0 is smaller.
+        let h = six_runs();
+        let victim = h.evict_by_hand("R1");
+        assert!(h.widen(victim, 24));
+        assert_eq!(h.freed_pages(), [0, 8, 16]);
+        // R2's hole: R3 completes it (16 + 8); R1 is smaller but would not.
+        let h = six_runs();
+        let victim = h.evict_by_hand("R2");
+        assert!(h.widen(victim, 24));
+        assert_eq!(h.freed_pages(), [16, 24]);
+        // At the heap's bottom only upwards, at its top only downwards.
+        let h = six_runs();
+        let victim = h.evict_by_hand("R0");
+        assert!(h.widen(victim, 24));
+        assert_eq!(h.freed_pages(), [0, 8, 16]);
+        let h = six_runs();
+        let victim = h.evict_by_hand("R5");
+        assert!(h.widen(victim, 24));
+        assert_eq!(h.freed_pages(), [40, 48]);
+        // Both sides complete R1's hole to 16: the tie goes up (R2).
+        let h = six_runs();
+        let victim = h.evict_by_hand("R1");
+        assert!(h.widen(victim, 16));
+        assert_eq!(h.freed_pages(), [8, 16]);
+        // Both complete R2's hole to 16: the smaller goes (R1, not R3).
+        let h = six_runs();
+        let victim = h.evict_by_hand("R2");
+        assert!(h.widen(victim, 16));
+        assert_eq!(h.freed_pages(), [8, 16]);
+        // Neither completes R2's hole to 32: the smaller (R1) first, then R3 completes it.
+        let h = six_runs();
+        let victim = h.evict_by_hand("R2");
+        assert!(h.widen(victim, 32));
+        assert_eq!(h.freed_pages(), [8, 16, 24]);
+        // A hole that already fits evicts nothing more.
+        let h = six_runs();
+        let victim = h.evict_by_hand("R3");
+        assert!(h.widen(victim, 16));
+        assert_eq!(h.freed_pages(), [24]);
+    }
+
+    /// A pinned or never-evictable neighbour ends widening on its side; blocked on both
+    /// sides short of the need, nothing is evicted.
+    #[test]
+    fn widening_blocked_on_both_sides_evicts_nothing() {
+        let h = six_runs();
+        h.pin("R2");
+        let victim = h.evict_by_hand("R1");
+        assert!(!h.widen(victim, 24), "R0 gives 16 pages, R2 is pinned");
+        assert_eq!(h.freed_pages(), [8]);
+        // Past the pinned R2 nothing is looked at: R1's hole plus R0 is all there is.
+        assert!(h.widen(victim, 16));
+        assert_eq!(h.freed_pages(), [0, 8]);
+    }
+
+    /// The hand's victim, then its hole widened, then the allocation: exactly the three
+    /// objects the request needs go, and the run is where they were.
+    #[test]
+    fn eviction_widens_the_hands_first_victim_and_allocates_in_its_hole() {
+        let h = six_runs();
+        let t = h.table();
+        // One pass of the hand clears every referenced bit; then it points at R1.
+        for i in 0..64 {
+            assert_eq!(t.evict_step(i, None).unwrap(), None);
+        }
+        let r1 = t.pin(&ObjectId::of_key("R1")).unwrap();
+        let Pin::Pinned(r, _) = r1 else {
+            panic!("{r1:?}")
+        };
+        t.unpin(r).unwrap();
+        // (The pin set R1's referenced bit again; clear it with one more step there.)
+        assert_eq!(t.evict_step(r.index as usize, None).unwrap(), None);
+        h.globals
+            .clock_hand
+            .store(r.index as u64, Ordering::Relaxed);
+        let owners = PageOwners(&h.owners);
+        let got = evict_until_fits(
+            &h.globals,
+            &t,
+            &h.alloc.get(),
+            &owners,
+            24 * PAGE,
+            &h.counters,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!((got.offset, got.size), (0, 24 * PAGE));
+        assert_eq!(h.freed_pages(), [0, 8, 16]);
+        assert_eq!(h.counters.evicted.load(Ordering::Relaxed), 3);
+        assert_eq!(h.counters.evicted_bytes.load(Ordering::Relaxed), 24 * PAGE);
+    }
+
+    /// The heap `evict_window`'s tests lay out (pages): A 0..8, B 8..16 (pinned), a slab
+    /// of two 8 KiB objects at 16..32, C 32..40, free 40..45, E 45..64.
+    fn window_heap() -> Heap {
+        let h = Heap::new();
+        h.put("A", 8 * PAGE);
+        h.put("B", 8 * PAGE);
+        h.pin("B");
+        let (s1, _) = h.put("s1", 8 << 10);
+        let (s2, _) = h.put("s2", 8 << 10);
+        assert_eq!((s1.offset / PAGE, s2.offset / PAGE), (16, 18));
+        h.put("C", 8 * PAGE);
+        let (gap, _) = h.put("gap", 5 * PAGE);
+        let (e, _) = h.put("E", 19 * PAGE);
+        assert_eq!((gap.offset / PAGE, e.offset / PAGE), (40, 45));
+        h.evict_by_hand("gap");
+        h.freed.lock().unwrap().clear();
+        h
+    }
+
+    /// The window that evicts the fewest bytes, among runs of tiles no pinned object, no
+    /// partly held slab and no unnamed block interrupts, with free pages counted in.
+    #[test]
+    fn the_window_evicted_is_the_cheapest_that_spans_the_request() {
+        // 24 pages: the slab and C (48 KiB) rather than the free pages and E (76 KiB).
+        let h = window_heap();
+        assert!(h.evict_window(24));
+        assert_eq!(h.freed_pages(), [16, 18, 32]);
+        // 32 pages: C, the free pages and E (108 KiB) rather than the slab too.
+        let h = window_heap();
+        assert!(h.evict_window(32));
+        assert_eq!(h.freed_pages(), [32, 45]);
+        // A pinned block in the slab: the window starts past it, and shrinks from the
+        // left to the free pages and E.
+        let h = window_heap();
+        h.pin("s1");
+        assert!(h.evict_window(24));
+        assert_eq!(h.freed_pages(), [45]);
+        // A block of the slab that no entry names (a claim in flight): the same.
+        let h = window_heap();
+        let extra = h.alloc.get().alloc(8 << 10).unwrap();
+        assert_eq!(extra.offset / SLAB, 1);
+        assert!(h.evict_window(24));
+        assert_eq!(h.freed_pages(), [45]);
+        // Free pages at the top of the heap cost nothing: nothing is evicted.
+        let h = window_heap();
+        h.evict_by_hand("E");
+        h.freed.lock().unwrap().clear();
+        assert!(h.evict_window(24));
+        assert_eq!(h.freed_pages(), []);
+        // Unnamed pages at the top are a barrier too: the slab and C, not C and the top.
+        let unnamed = h.alloc.get().alloc(20 * PAGE).unwrap();
+        assert_eq!(unnamed.offset / PAGE, 40);
+        assert!(h.evict_window(24));
+        assert_eq!(h.freed_pages(), [16, 18, 32]);
+    }
+
+    /// Pages no entry names are a barrier; so are entries that overlap (the table
+    /// changed under the scan); ties go to the lowest window.
+    #[test]
+    fn the_window_never_spans_unnamed_pages_or_overlapping_entries() {
+        let h = window_heap();
+        let unnamed = h.alloc.get().alloc(5 * PAGE).unwrap();
+        assert_eq!(unnamed.offset / PAGE, 40);
+        assert!(!h.evict_window(32), "C and E are only 27 pages");
+        assert_eq!(h.freed_pages(), []);
+        let h = window_heap();
+        // An entry naming C's pages again: the scan's picture does not add up.
+        let c = h.table().pin(&ObjectId::of_key("C")).unwrap();
+        let Pin::Pinned(r, e) = c else {
+            panic!("{c:?}")
+        };
+        h.table().unpin(r).unwrap();
+        let twin = e.block(HEAP).unwrap().0;
+        let tr = h.name("C twin", twin);
+        h.table().seal(&ObjectId::of_key("C twin"), tr).unwrap();
+        assert!(!h.evict_window(24));
+        assert_eq!(h.freed_pages(), []);
+        // Two windows of 32 KiB each: the lower goes.
+        let h = Heap::new();
+        h.put("X1", 8 * PAGE);
+        h.put("P1", 8 * PAGE);
+        h.put("X2", 8 * PAGE);
+        h.put("P2", 40 * PAGE);
+        h.pin("P1");
+        h.pin("P2");
+        assert!(h.evict_window(8));
+        assert_eq!(h.freed_pages(), [0]);
+    }
 
     /// A creator that died after inserting its object but before counting the insert:
     /// recovery counts the abort and the free, so the bytes freed exceed the bytes in.
