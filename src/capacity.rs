@@ -777,6 +777,36 @@ mod tests {
         assert_eq!(h.freed_pages(), [0, 8]);
     }
 
+    /// Page owners are hints nothing clears: one that names a slot whose entry is not a
+    /// page run starting or ending at that page (the slot reused since, for a slab block
+    /// or another run) is not a neighbour.
+    #[test]
+    fn widening_ignores_stale_page_owners() {
+        // R0 0..8, R1 8..16, a slab at 16..32 (s1 at page 16, s2 at 18), R3 32..48,
+        // R4 48..64.
+        let h = Heap::new();
+        h.put("R0", 8 * PAGE);
+        h.put("R1", 8 * PAGE);
+        let (s1, r1) = h.put("s1", 8 << 10);
+        let (s2, r2) = h.put("s2", 8 << 10);
+        assert_eq!((s1.offset / PAGE, s2.offset / PAGE), (16, 18));
+        h.put("R3", 16 * PAGE);
+        let (_, r4) = h.put("R4", 16 * PAGE);
+        let victim = h.evict_by_hand("R1");
+        // Stale hints above R1's hole, at page 16: the slab block after the one there, and
+        // R4's run (which neither starts nor ends at 16). R0 alone cannot complete 24.
+        for slot in [r2.index, r4.index] {
+            h.owners[16].store(slot + 1, Ordering::Relaxed);
+            assert!(!h.widen(victim, 24), "hint at 16 names slot {slot}");
+            assert_eq!(h.freed_pages(), [8], "hint at 16 names slot {slot}");
+        }
+        // The slab block that starts at page 16: taken for a 2-page run, it would be the
+        // smaller neighbour completing a hole of 10. R0 goes instead.
+        h.owners[16].store(r1.index + 1, Ordering::Relaxed);
+        assert!(h.widen(victim, 10));
+        assert_eq!(h.freed_pages(), [0, 8]);
+    }
+
     /// The hand's victim, then its hole widened, then the allocation: exactly the three
     /// objects the request needs go, and the run is where they were.
     #[test]
