@@ -280,8 +280,10 @@ impl Drop for LockFile {
 mod tests {
     use super::*;
 
-    fn temp() -> (File, std::path::PathBuf) {
-        let p = std::env::temp_dir().join(format!("shmstore-lock-{}", std::process::id()));
+    /// A file of this test's own (tests run in parallel threads of one process, and
+    /// locks of one file would meet).
+    fn temp(test: &str) -> (File, std::path::PathBuf) {
+        let p = std::env::temp_dir().join(format!("shmstore-lock-{}-{test}", std::process::id()));
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -294,7 +296,7 @@ mod tests {
 
     #[test]
     fn two_descriptions_exclude_each_other_and_see_each_other() {
-        let (f, p) = temp();
+        let (f, p) = temp("exclude");
         let a = LockFile::open(&f, Some(&p)).unwrap();
         let b = LockFile::open(&f, Some(&p)).unwrap();
         assert!(!a.locked_elsewhere(7));
@@ -311,6 +313,43 @@ mod tests {
             !a.locked_elsewhere(8),
             "closing the description drops its locks"
         );
+        let _ = std::fs::remove_file(p);
+    }
+
+    /// A removal's whole-file read lock is what `removal_in_progress` reports, asked
+    /// through a description that holds no lock; a client's slot lock is not a removal.
+    #[test]
+    fn a_removals_lock_is_seen_as_one_and_a_slot_lock_is_not() {
+        let (f, p) = temp("removal");
+        let client = LockFile::open(&f, Some(&p)).unwrap();
+        assert!(!removal_in_progress(&f));
+        assert!(client.try_lock(3));
+        assert!(!removal_in_progress(&f), "a slot's lock");
+        let remover = LockFile::open_for_removal(&f, Some(&p)).unwrap();
+        assert!(!remover.try_lock_all_shared(), "the slot is locked");
+        client.unlock(3);
+        assert!(remover.try_lock_all_shared());
+        assert!(removal_in_progress(&f));
+        assert!(
+            !client.try_lock(3),
+            "no slot while a removal holds the file"
+        );
+        drop(remover);
+        assert!(!removal_in_progress(&f));
+        assert!(client.try_lock(3));
+        let _ = std::fs::remove_file(p);
+    }
+
+    /// Dropping a lock description gives its entry in the fork handler's table back: a
+    /// process attaches and detaches far more stores over its life than it can hold at
+    /// once.
+    #[test]
+    fn a_dropped_description_gives_its_table_entry_back() {
+        let (f, p) = temp("entries");
+        for i in 0..MAX_LOCK_FDS + 100 {
+            let l = LockFile::open(&f, Some(&p)).unwrap_or_else(|e| panic!("open {i}: {e}"));
+            drop(l);
+        }
         let _ = std::fs::remove_file(p);
     }
 }
