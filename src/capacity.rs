@@ -721,46 +721,23 @@ mod tests {
     /// smaller one (the upper on a tie), and plans before it evicts.
     #[test]
     fn widening_takes_the_neighbour_that_completes_the_hole_else_the_smaller() {
-        // R1's hole (8 pages) needs 16 more for 24: R2 (a tie of 8 and 8: up), then R0
-        // and R3 both complete it and R0 is smaller.
-        let h = six_runs();
-        let victim = h.evict_by_hand("R1");
-        assert!(h.widen(victim, 24));
-        assert_eq!(h.freed_pages(), [0, 8, 16]);
-        // R2's hole: R3 completes it (16 + 8); R1 is smaller but would not.
-        let h = six_runs();
-        let victim = h.evict_by_hand("R2");
-        assert!(h.widen(victim, 24));
-        assert_eq!(h.freed_pages(), [16, 24]);
-        // At the heap's bottom only upwards, at its top only downwards.
-        let h = six_runs();
-        let victim = h.evict_by_hand("R0");
-        assert!(h.widen(victim, 24));
-        assert_eq!(h.freed_pages(), [0, 8, 16]);
-        let h = six_runs();
-        let victim = h.evict_by_hand("R5");
-        assert!(h.widen(victim, 24));
-        assert_eq!(h.freed_pages(), [40, 48]);
-        // Both sides complete R1's hole to 16: the tie goes up (R2).
-        let h = six_runs();
-        let victim = h.evict_by_hand("R1");
-        assert!(h.widen(victim, 16));
-        assert_eq!(h.freed_pages(), [8, 16]);
-        // Both complete R2's hole to 16: the smaller goes (R1, not R3).
-        let h = six_runs();
-        let victim = h.evict_by_hand("R2");
-        assert!(h.widen(victim, 16));
-        assert_eq!(h.freed_pages(), [8, 16]);
-        // Neither completes R2's hole to 32: the smaller (R1) first, then R3 completes it.
-        let h = six_runs();
-        let victim = h.evict_by_hand("R2");
-        assert!(h.widen(victim, 32));
-        assert_eq!(h.freed_pages(), [8, 16, 24]);
-        // A hole that already fits evicts nothing more.
-        let h = six_runs();
-        let victim = h.evict_by_hand("R3");
-        assert!(h.widen(victim, 16));
-        assert_eq!(h.freed_pages(), [24]);
+        // (the victim, the pages needed, the pages of the runs evicted, victim included)
+        let cases: [(&str, u64, &[u64], &str); 8] = [
+            ("R1", 24, &[0, 8, 16], "R2 (8 = 8: up), then R0 (< R3)"),
+            ("R2", 24, &[16, 24], "R3 completes it, R1 would not"),
+            ("R0", 24, &[0, 8, 16], "at the heap's bottom, only upwards"),
+            ("R5", 24, &[40, 48], "at the heap's top, only downwards"),
+            ("R1", 16, &[8, 16], "both complete it, 8 = 8: up"),
+            ("R2", 16, &[8, 16], "both complete it: R1, smaller than R3"),
+            ("R2", 32, &[8, 16, 24], "neither does: R1, smaller, then R3"),
+            ("R3", 16, &[24], "the hole fits already"),
+        ];
+        for (victim, need, freed, why) in cases {
+            let h = six_runs();
+            let hole = h.evict_by_hand(victim);
+            assert!(h.widen(hole, need), "{victim}'s hole to {need}: {why}");
+            assert_eq!(h.freed_pages(), freed, "{victim}'s hole to {need}: {why}");
+        }
     }
 
     /// A pinned or never-evictable neighbour ends widening on its side; blocked on both
