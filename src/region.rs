@@ -902,6 +902,7 @@ mod tests {
         use std::os::unix::fs::OpenOptionsExt;
         let dir = Path::new("/dev/shm").join(format!("shmstore-sweep-race-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
+        let _removed = crate::testing::RemovedAtEnd(dir.clone());
         let tmp = dir.join(creation_name("race", std::process::id(), 1));
         let new_file = || {
             OpenOptions::new()
@@ -933,7 +934,6 @@ mod tests {
         assert!(locked_and_linked(&file, &creating));
         assert_eq!(sweep_abandoned_creations(&dir), 0);
         assert!(tmp.exists());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -952,11 +952,34 @@ mod tests {
         let (m, creating) =
             Mapping::create_named(dir, &name, &sb, 0o600, HugePages::Off, false, false).unwrap();
         let path = dir.join(&name);
+        let _removed = crate::testing::RemovedAtEnd(path.clone());
         assert!(!crate::Store::remove_if_unused(&path).unwrap());
         drop(creating);
         assert!(crate::Store::remove_if_unused(&path).unwrap());
         assert!(!path.exists());
         drop(m);
+    }
+
+    /// `HugePages::free_pages` is the kernel's own figures: the free huge pages and the
+    /// default huge page size in bytes, as /proc/meminfo gives them (where it does).
+    #[test]
+    fn free_huge_pages_are_the_kernels_figures() {
+        let info = std::fs::read_to_string("/proc/meminfo").unwrap();
+        let field = |name: &str| {
+            let line = info.lines().find_map(|l| l.strip_prefix(name))?;
+            Some(
+                line.trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .unwrap(),
+            )
+        };
+        let want = field("HugePages_Free:").zip(field("Hugepagesize:").map(|kib| kib << 10));
+        assert_eq!(HugePages::free_pages(), want);
+        if let Some((_, size)) = want {
+            assert!(size.is_power_of_two() && size >= 2 << 20, "{size}");
+        }
     }
 
     #[test]

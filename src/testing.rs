@@ -770,3 +770,32 @@ pub mod kill_points {
         crate::sync::kill_points::disarm()
     }
 }
+
+/// Removes a test's store file, or directory, when the test ends, passed or failed: a
+/// failing test (under `cargo mutants` most fail, early) would otherwise leave it in
+/// /dev/shm, and stores of 16-256 MiB once filled it with 20 GiB that way.
+///
+/// ```
+/// let dir = std::env::temp_dir().join(format!("removed-at-end-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir).unwrap();
+/// drop(shmstore::testing::RemovedAtEnd(dir.clone()));
+/// assert!(!dir.exists());
+/// ```
+pub struct RemovedAtEnd(pub std::path::PathBuf);
+
+impl RemovedAtEnd {
+    /// Removes `store`'s file when dropped (a named store).
+    pub fn of(store: &Store) -> Self {
+        RemovedAtEnd(store.path().expect("a named store").to_path_buf())
+    }
+}
+
+impl Drop for RemovedAtEnd {
+    fn drop(&mut self) {
+        if self.0.is_dir() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        } else {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+}

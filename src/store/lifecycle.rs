@@ -381,6 +381,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::RemovedAtEnd;
 
     #[test]
     fn a_pause_of_the_background_thread_ends_when_it_is_told_to_stop() {
@@ -451,23 +452,6 @@ mod tests {
             }
         }
         panic!("no mapping holds {addr:#x}");
-    }
-
-    /// Removes a test's store file when the test ends, passed or failed: these stores are
-    /// 16-256 MiB each, and a `cargo mutants` run, where most mutants fail these tests
-    /// early, once left 20 GiB of them in /dev/shm.
-    struct RemovedAtEnd(std::path::PathBuf);
-
-    impl RemovedAtEnd {
-        fn of(store: &Store) -> Self {
-            RemovedAtEnd(store.path().expect("a named store").to_path_buf())
-        }
-    }
-
-    impl Drop for RemovedAtEnd {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
     }
 
     #[test]
