@@ -17,14 +17,16 @@ modules=(alloc:: table:: client:: id:: layout:: error:: sync::)
 # The tests of those modules that start threads. The check below fails when a test that
 # starts threads is missing here, so that a new one cannot lose its seeds unnoticed.
 threaded=(
-  alloc::tests::threads_allocate_and_free_concurrently
+  alloc::tests::front::threads_allocate_and_free_concurrently
   table::tests::racing_creates_of_one_id_admit_exactly_one
   table::tests::pin_wait_wakes_on_seal_and_times_out
   sync::tests::wake_releases_a_waiter
 )
 python3 - "${threaded[@]}" <<'PY'
 import re, sys
-files = {"alloc::tests": "src/alloc/tests.rs", "table::tests": "src/table/tests.rs",
+files = {"alloc::tests::front": "src/alloc/tests/front.rs",
+         "alloc::tests::pages": "src/alloc/tests/pages.rs",
+         "alloc::tests::slabs": "src/alloc/tests/slabs.rs", "table::tests": "src/table/tests.rs",
          "sync::tests": "src/sync.rs", "client::tests": "src/client.rs", "id::tests": "src/id.rs",
          "layout::tests": "src/layout.rs", "error::tests": "src/error.rs"}
 found = set()
