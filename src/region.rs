@@ -178,33 +178,70 @@ fn reserve(file: &File, len: u64, path: &Path, progress: bool) -> Result<()> {
         });
     }
     let start = std::time::Instant::now();
-    let mut said = std::time::Duration::ZERO;
+    let mut lines = ProgressLines::new(path, len);
     let mut at = 0;
     while at < len {
         let n = STEP.min(len - at);
         reserve_range(file, at, n, len, path)?;
         at += n;
-        let t = start.elapsed();
-        if progress && t.as_secs() > said.as_secs() && at < len {
-            said = t;
-            eprintln!(
-                "shmstore: reserving {:.1} GiB for {}: {:.1} GiB done after {:.1} s",
-                len as f64 / (1u64 << 30) as f64,
-                path.display(),
-                at as f64 / (1u64 << 30) as f64,
-                t.as_secs_f64()
-            );
+        if let Some(line) = lines.after(at, start.elapsed()).filter(|_| progress) {
+            eprintln!("{line}");
         }
     }
-    if progress && said > std::time::Duration::ZERO {
-        eprintln!(
-            "shmstore: reserved {:.1} GiB for {} in {:.1} s",
-            len as f64 / (1u64 << 30) as f64,
-            path.display(),
-            start.elapsed().as_secs_f64()
-        );
+    if let Some(line) = lines.done(start.elapsed()).filter(|_| progress) {
+        eprintln!("{line}");
     }
     Ok(())
+}
+
+/// The progress lines of a reservation of `len` bytes: one at each new whole second while
+/// it runs (none in its first second), and a last one when it is done if any came before.
+struct ProgressLines<'a> {
+    path: &'a Path,
+    len: u64,
+    /// When the last line came (zero: none yet).
+    said: std::time::Duration,
+}
+
+impl<'a> ProgressLines<'a> {
+    fn new(path: &'a Path, len: u64) -> Self {
+        ProgressLines {
+            path,
+            len,
+            said: std::time::Duration::ZERO,
+        }
+    }
+
+    /// The line due once `at` bytes are reserved, `elapsed` after the start, if any.
+    fn after(&mut self, at: u64, elapsed: std::time::Duration) -> Option<String> {
+        if elapsed.as_secs() <= self.said.as_secs() || at >= self.len {
+            return None;
+        }
+        self.said = elapsed;
+        Some(format!(
+            "shmstore: reserving {:.1} GiB for {}: {:.1} GiB done after {:.1} s",
+            gib(self.len),
+            self.path.display(),
+            gib(at),
+            elapsed.as_secs_f64()
+        ))
+    }
+
+    /// The last line, `elapsed` after the start, if any came before it.
+    fn done(&self, elapsed: std::time::Duration) -> Option<String> {
+        (self.said > std::time::Duration::ZERO).then(|| {
+            format!(
+                "shmstore: reserved {:.1} GiB for {} in {:.1} s",
+                gib(self.len),
+                self.path.display(),
+                elapsed.as_secs_f64()
+            )
+        })
+    }
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
 }
 
 /// Reserves `len` bytes of huge pages of `page` bytes in one call: the kernel takes and
@@ -359,21 +396,29 @@ fn thp_backed(file: &File) -> bool {
     if rustix::fs::fstatfs(file).map_or(true, |st| st.f_type != TMPFS_MAGIC) {
         return false;
     }
-    let global = shmem_enabled();
-    match global.as_deref() {
-        Some("deny") => return false,
-        Some("force") => return true,
-        _ => {}
-    }
     let Ok(st) = rustix::fs::fstat(file) else {
         return false;
     };
     let dev = st.st_dev;
-    let policy = match tmpfs_huge_option(rustix::fs::major(dev), rustix::fs::minor(dev)) {
-        Some(mount) => mount,
-        None => global,
-    };
-    matches!(policy.as_deref(), Some("always" | "within_size"))
+    let mount = tmpfs_huge_option(rustix::fs::major(dev), rustix::fs::minor(dev));
+    thp_policy_gives_huge(
+        shmem_enabled().as_deref(),
+        mount.as_ref().map(Option::as_deref),
+    )
+}
+
+/// Whether tmpfs pages come as transparent huge pages under the kernel's policy for its
+/// internal mount (`global`, [`shmem_enabled`]) and the `huge=` option of the file's
+/// mount (`mount`, [`tmpfs_huge_option`]: `None` for a memfd, which has no mount of its
+/// own and follows `global`). `deny` and `force` in `global` override every mount.
+fn thp_policy_gives_huge(global: Option<&str>, mount: Option<Option<&str>>) -> bool {
+    match global {
+        Some("deny") => return false,
+        Some("force") => return true,
+        _ => {}
+    }
+    let policy = mount.unwrap_or(global);
+    matches!(policy, Some("always" | "within_size"))
 }
 
 /// The size of a transparent huge page (the PMD size), 2 MiB where sysfs does not say.
@@ -427,8 +472,9 @@ impl Mapping {
         const MADV_POPULATE_WRITE: libc::c_int = 23;
         let page = PAGE as usize;
         let start = offset / page * page;
-        let end = offset.saturating_add(len).div_ceil(page) * page;
-        let end = end.min(self.len);
+        // Clamped before rounding up, so that no range, however hostile, overflows (the
+        // mapping's length is whole pages).
+        let end = offset.saturating_add(len).min(self.len).div_ceil(page) * page;
         if start >= end {
             return;
         }
@@ -619,9 +665,11 @@ impl Mapping {
             flags |= MemfdFlags::HUGETLB;
         }
         let fd = rustix::fs::memfd_create(c"shmstore", flags);
-        let fd = fd.map_err(|e| {
-            let e = io::Error::from(e);
-            if huge == HugePages::Hugetlb {
+        let fd = fd.map_err(|errno| {
+            let e = io::Error::from(errno);
+            // EINVAL: the kernel knows no MFD_HUGETLB. Anything else (out of descriptors,
+            // of memory) is no fault of the configuration.
+            if huge == HugePages::Hugetlb && errno == rustix::io::Errno::INVAL {
                 Error::InvalidConfig {
                     reason: format!(
                         "memfd_create(MFD_HUGETLB) failed ({e}): this kernel offers no \
@@ -936,6 +984,29 @@ mod tests {
         assert!(tmp.exists());
     }
 
+    /// A sweep removes only regular files named like an abandoned creation: not a symbolic
+    /// link with such a name (nor the file it leads to), nor a directory.
+    #[test]
+    fn a_sweep_follows_no_link_and_removes_no_directory() {
+        let dir = Path::new("/dev/shm").join(format!("shmstore-sweep-link-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let _removed = crate::testing::RemovedAtEnd(dir.clone());
+        let target = dir.join("precious");
+        std::fs::write(&target, b"data").unwrap();
+        let link = dir.join(creation_name("link", std::process::id(), 1));
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let subdir = dir.join(creation_name("dir", std::process::id(), 2));
+        std::fs::create_dir(&subdir).unwrap();
+        assert_eq!(sweep_abandoned_creations(&dir), 0);
+        assert!(link.symlink_metadata().is_ok() && subdir.is_dir());
+        assert_eq!(std::fs::read(&target).unwrap(), b"data");
+        // An abandoned regular file beside them goes.
+        let abandoned = dir.join(creation_name("gone", std::process::id(), 3));
+        std::fs::write(&abandoned, b"").unwrap();
+        assert_eq!(sweep_abandoned_creations(&dir), 1);
+        assert!(!abandoned.exists() && link.symlink_metadata().is_ok());
+    }
+
     #[test]
     fn a_new_name_is_locked_until_its_creator_lets_go() {
         // `remove_if_unused` must not take a store whose creator has published its name
@@ -979,6 +1050,360 @@ mod tests {
         assert_eq!(HugePages::free_pages(), want);
         if let Some((_, size)) = want {
             assert!(size.is_power_of_two() && size >= 2 << 20, "{size}");
+        }
+    }
+
+    /// A mounted hugetlbfs of 2 MiB pages (scripts/hugepages.sh mounts one), or `None`
+    /// with a line saying what `test` skips.
+    fn hugetlbfs_mount(test: &str) -> Option<PathBuf> {
+        let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+        let found = mounts.lines().find_map(|line| {
+            let f: Vec<&str> = line.split(' ').collect();
+            (f.len() > 3 && f[2] == "hugetlbfs" && f[3].contains("pagesize=2M"))
+                .then(|| PathBuf::from(f[1]))
+        });
+        if found.is_none() {
+            eprintln!("{test}: hugetlbfs part skipped: none mounted (scripts/hugepages.sh)");
+        }
+        found
+    }
+
+    #[test]
+    fn the_file_system_of_a_store_is_told_apart() {
+        let dir = Path::new("/dev/shm");
+        let path = dir.join(format!("shmstore-region-fs-{}", std::process::id()));
+        let _removed = crate::testing::RemovedAtEnd(path.clone());
+        let file = File::create(&path).unwrap();
+        assert_eq!(fs_of(&file), Some((false, PAGE)));
+        assert!(!is_hugetlbfs(dir));
+        assert!(!is_hugetlbfs(Path::new("/no/such/dir")));
+        let Some(mount) = hugetlbfs_mount("the_file_system_of_a_store_is_told_apart") else {
+            return;
+        };
+        let path = mount.join(format!("shmstore-region-fs-{}", std::process::id()));
+        let _removed = crate::testing::RemovedAtEnd(path.clone());
+        let file = File::create(&path).unwrap();
+        assert_eq!(fs_of(&file), Some((true, 2 << 20)));
+        assert!(is_hugetlbfs(&mount));
+    }
+
+    /// A reservation of more than one 256 MiB step ends exactly at the store's last page,
+    /// named or anonymous, and the store can be opened again whole.
+    #[test]
+    fn a_store_is_reserved_to_its_last_page_and_no_further() {
+        let sb = small_superblock(300 << 20);
+        let want = sb.total_size.div_ceil(PAGE) * PAGE;
+        assert!(want > 256 << 20 && want % (256 << 20) != 0, "{want}");
+        let m = Mapping::create_memfd(&sb, HugePages::Off, false, false).unwrap();
+        assert_eq!(m.file().metadata().unwrap().len(), want);
+        assert_eq!(m.len() as u64, want);
+        let dir = Path::new("/dev/shm");
+        let name = format!("shmstore-region-reserve-{}", std::process::id());
+        let path = dir.join(&name);
+        let _removed = crate::testing::RemovedAtEnd(path.clone());
+        let (m, creating) =
+            Mapping::create_named(dir, &name, &sb, 0o600, HugePages::Off, false, false).unwrap();
+        drop(creating);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), want);
+        let (again, sb_again) = Mapping::open(&path, HugePages::Off, false).unwrap();
+        assert_eq!(sb_again, sb);
+        assert_eq!(again.len(), m.len());
+    }
+
+    /// The permissions `/proc/self/maps` gives the mapping that holds `addr`.
+    fn perms_at(addr: usize) -> String {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines()
+            .find_map(|line| {
+                let (range, rest) = line.split_once(' ')?;
+                let (lo, hi) = range.split_once('-')?;
+                let lo = usize::from_str_radix(lo, 16).ok()?;
+                let hi = usize::from_str_radix(hi, 16).ok()?;
+                (lo <= addr && addr < hi).then(|| rest[..4].to_string())
+            })
+            .unwrap_or_else(|| panic!("{addr:#x} is not mapped"))
+    }
+
+    /// The store starts on a 2 MiB boundary, and the address space memmap2 reserved
+    /// around it (before it when the boundary is not memmap2's start, after it always)
+    /// faults on any access.
+    #[test]
+    fn the_slack_around_a_mapping_is_inaccessible() {
+        let sb = Params {
+            heap_size: 1 << 20,
+            table_slots: 64,
+            max_clients: 4,
+        }
+        .layout()
+        .unwrap();
+        let mut before = 0;
+        // Each store is its own mmap; keep them so that the kernel places the next
+        // elsewhere, and look at several: one at least starts past memmap2's start.
+        let stores: Vec<Mapping> = (0..8)
+            .map(|_| Mapping::create_memfd(&sb, HugePages::Off, false, false).unwrap())
+            .collect();
+        for m in &stores {
+            let base = m.base() as usize;
+            let start = m.map.as_mut_ptr() as usize;
+            assert_eq!(base % HUGE_PAGE as usize, 0);
+            assert_eq!(base - start, m.offset);
+            assert!(m.offset < HUGE_PAGE as usize);
+            assert_eq!(perms_at(base), "rw-s");
+            assert_eq!(perms_at(base + m.len() - 1), "rw-s");
+            assert_eq!(perms_at(base + m.len()), "---s");
+            assert_eq!(perms_at(start + m.map.len() - 1), "---s");
+            if m.offset > 0 {
+                before += 1;
+                assert_eq!(perms_at(start), "---s");
+                assert_eq!(perms_at(base - 1), "---s");
+            }
+        }
+        assert!(before > 0, "no store was placed past memmap2's start");
+    }
+
+    #[test]
+    fn a_long_reservation_says_how_far_it_is_once_a_second() {
+        let path = Path::new("/dev/shm/big");
+        let s = std::time::Duration::from_secs_f64;
+        let mut lines = ProgressLines::new(path, 4 << 30);
+        // Nothing in the first second, or when it ends within one.
+        assert_eq!(lines.after(1 << 30, s(0.9)), None);
+        assert_eq!(lines.done(s(0.95)), None);
+        assert_eq!(
+            lines.after(2 << 30, s(1.2)).as_deref(),
+            Some("shmstore: reserving 4.0 GiB for /dev/shm/big: 2.0 GiB done after 1.2 s")
+        );
+        // One line a second at most.
+        assert_eq!(lines.after(3 << 30, s(1.9)), None);
+        assert!(lines.after(3 << 30, s(2.0)).is_some());
+        assert_eq!(lines.after(3 << 30, s(2.5)), None);
+        // Not for the last step: the closing line says it.
+        assert_eq!(lines.after(4 << 30, s(3.1)), None);
+        assert_eq!(
+            lines.done(s(3.1)).as_deref(),
+            Some("shmstore: reserved 4.0 GiB for /dev/shm/big in 3.1 s")
+        );
+    }
+
+    /// The kernel's policy for memfds is the bracketed word of its sysfs file.
+    #[test]
+    fn the_shmem_policy_is_read_from_sysfs() {
+        let file = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+        let Ok(text) = std::fs::read_to_string(file) else {
+            assert_eq!(shmem_enabled(), None);
+            return;
+        };
+        let policy = shmem_enabled().unwrap_or_else(|| panic!("{file}: {text}"));
+        assert!(
+            ["always", "within_size", "advise", "never", "deny", "force"]
+                .contains(&policy.as_str()),
+            "{policy}"
+        );
+        assert!(text.contains(&format!("[{policy}]")), "{text}");
+    }
+
+    #[test]
+    fn the_kernels_policy_and_the_mounts_option_decide_transparent_huge_pages() {
+        /// (`shmem_enabled`, the mount's `huge=` option, huge pages or not).
+        type Case = (Option<&'static str>, Option<Option<&'static str>>, bool);
+        let cases: &[Case] = &[
+            // A memfd follows the global policy.
+            (Some("always"), None, true),
+            (Some("within_size"), None, true),
+            (Some("advise"), None, false),
+            (Some("never"), None, false),
+            (None, None, false),
+            // A tmpfs mount has its own option, `never` without one.
+            (Some("never"), Some(Some("within_size")), true),
+            (Some("never"), Some(Some("always")), true),
+            (Some("always"), Some(None), false),
+            (Some("always"), Some(Some("advise")), false),
+            (Some("always"), Some(Some("never")), false),
+            // `deny` and `force` override every mount.
+            (Some("deny"), Some(Some("always")), false),
+            (Some("deny"), None, false),
+            (Some("force"), Some(None), true),
+            (Some("force"), Some(Some("never")), true),
+            (Some("force"), None, true),
+        ];
+        for &(global, mount, want) in cases {
+            assert_eq!(
+                thp_policy_gives_huge(global, mount),
+                want,
+                "{global:?} {mount:?}"
+            );
+        }
+    }
+
+    /// A small store's superblock, checksummed as `open` wants it.
+    fn small_superblock(heap_size: u64) -> Superblock {
+        let mut sb = Params {
+            heap_size,
+            table_slots: 64,
+            max_clients: 4,
+        }
+        .layout()
+        .unwrap();
+        sb.checksum = sb.compute_checksum();
+        sb
+    }
+
+    /// Whether this process's page tables map the page at `addr` (/proc/self/pagemap's
+    /// "present" bit, which it gives every process).
+    fn mapped_in(addr: usize) -> bool {
+        let pagemap = File::open("/proc/self/pagemap").unwrap();
+        let mut entry = [0u8; 8];
+        pagemap
+            .read_exact_at(&mut entry, (addr / PAGE as usize * 8) as u64)
+            .unwrap();
+        u64::from_le_bytes(entry) >> 63 == 1
+    }
+
+    #[test]
+    fn populating_maps_the_pages_of_its_range_and_no_others() {
+        let m = Mapping::create_memfd(&small_superblock(1 << 20), HugePages::Off, false, false)
+            .unwrap();
+        let page = PAGE as usize;
+        let at = |n: usize| m.base() as usize + n * page;
+        assert!((1..m.len() / page).all(|n| !mapped_in(at(n))));
+        // From inside page 5 to inside page 8: pages 5 to 8, whole.
+        m.populate(5 * page + 100, 3 * page, true);
+        let mapped: Vec<usize> = (1..m.len() / page).filter(|&n| mapped_in(at(n))).collect();
+        assert_eq!(mapped, [5, 6, 7, 8]);
+        // Past the end: clamped to the mapping.
+        let last = m.len() / page - 1;
+        m.populate(last * page, 64 * page, true);
+        assert!(mapped_in(at(last)) && !mapped_in(at(last - 1)));
+        m.populate(m.len(), page, true);
+        m.populate(usize::MAX - 10, 100, true);
+        // For reading (the kernel may map neighbours already in memory with it).
+        m.populate(100 * page, 1, false);
+        assert!(mapped_in(at(100)));
+    }
+
+    #[test]
+    fn an_anonymous_store_can_neither_shrink_nor_grow() {
+        use rustix::fs::SealFlags;
+        let m = Mapping::create_memfd(&small_superblock(1 << 20), HugePages::Off, false, false)
+            .unwrap();
+        let seals = rustix::fs::fcntl_get_seals(m.file()).unwrap();
+        assert!(seals.contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL));
+        let len = m.len() as u64;
+        for wrong in [len / 2, len * 2] {
+            let e = m.file().set_len(wrong).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{wrong}: {e}");
+        }
+        assert_eq!(m.file().metadata().unwrap().len(), len);
+    }
+
+    #[test]
+    fn only_whole_pages_inside_the_mapping_are_made_read_only() {
+        let m = Mapping::create_memfd(&small_superblock(1 << 20), HugePages::Off, false, false)
+            .unwrap();
+        let len = m.len() as u64;
+        for (offset, n) in [(100, PAGE), (PAGE, len), (len, 1), (PAGE, u64::MAX)] {
+            assert!(
+                matches!(m.protect_read_only(offset, n), Err(Error::Corrupted { .. })),
+                "{offset}+{n}"
+            );
+        }
+        assert_eq!(perms_at(m.base() as usize + PAGE as usize), "rw-s");
+        m.protect_read_only(PAGE, len - PAGE).unwrap();
+        assert_eq!(perms_at(m.base() as usize), "rw-s");
+        assert_eq!(perms_at(m.base() as usize + PAGE as usize), "r--s");
+        assert_eq!(perms_at(m.base() as usize + m.len() - 1), "r--s");
+    }
+
+    #[test]
+    fn prefaulting_maps_the_whole_store() {
+        let sb = small_superblock(1 << 20);
+        let m = Mapping::create_memfd(&sb, HugePages::Off, true, false).unwrap();
+        let page = PAGE as usize;
+        assert!((0..m.len() / page).all(|n| mapped_in(m.base() as usize + n * page)));
+        let m = Mapping::create_memfd(&sb, HugePages::Off, false, false).unwrap();
+        assert!(!mapped_in(m.base() as usize + m.len() / 2));
+    }
+
+    /// The `VmFlags` /proc/self/smaps gives the mapping that holds `addr`.
+    fn vm_flags_at(addr: usize) -> String {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            if let Some((lo, hi)) = line.split(' ').next().and_then(|r| r.split_once('-')) {
+                if let (Ok(lo), Ok(hi)) =
+                    (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+                {
+                    inside = lo <= addr && addr < hi;
+                    continue;
+                }
+            }
+            if inside {
+                if let Some(flags) = line.strip_prefix("VmFlags:") {
+                    return flags.trim().to_string();
+                }
+            }
+        }
+        panic!("{addr:#x} is not mapped")
+    }
+
+    #[test]
+    fn try_advises_huge_pages_and_nothing_else_does() {
+        let sb = small_superblock(1 << 20);
+        for huge in [HugePages::Auto, HugePages::Off, HugePages::Try] {
+            let m = Mapping::create_memfd(&sb, huge, false, false).unwrap();
+            let flags = vm_flags_at(m.base() as usize);
+            assert_eq!(
+                flags.split(' ').any(|f| f == "hg"),
+                huge == HugePages::Try,
+                "{huge:?}: {flags}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_a_tmpfs_store_on_small_pages_can_be_collapsed() {
+        let sb = small_superblock(4 << 20);
+        let m = Mapping::create_memfd(&sb, HugePages::Off, false, false).unwrap();
+        assert_eq!(m.can_collapse(), !m.huge_pages());
+        let test = "only_a_tmpfs_store_on_small_pages_can_be_collapsed";
+        let name = format!("shmstore-region-collapse-{}", std::process::id());
+        let thp = Path::new("/tmp/shmstore-thp");
+        if huge_option_in(
+            &std::fs::read_to_string("/proc/self/mountinfo").unwrap(),
+            &{
+                let st = rustix::fs::stat(thp);
+                st.map(|st| {
+                    format!(
+                        "{}:{}",
+                        rustix::fs::major(st.st_dev),
+                        rustix::fs::minor(st.st_dev)
+                    )
+                })
+                .unwrap_or_default()
+            },
+        ) == Some(Some("within_size".into()))
+        {
+            let _removed = crate::testing::RemovedAtEnd(thp.join(&name));
+            let (m, _creating) =
+                Mapping::create_named(thp, &name, &sb, 0o600, HugePages::Off, false, false)
+                    .unwrap();
+            assert!(m.huge_pages() && !m.can_collapse());
+        } else {
+            eprintln!(
+                "{test}: THP tmpfs part skipped: none at {} (scripts/hugepages.sh)",
+                thp.display()
+            );
+        }
+        if let Some(mount) = hugetlbfs_mount(test) {
+            if free_huge_pages().is_some_and(|(free, _)| free >= 4) {
+                let _removed = crate::testing::RemovedAtEnd(mount.join(&name));
+                let (m, _creating) =
+                    Mapping::create_named(&mount, &name, &sb, 0o600, HugePages::Off, false, false)
+                        .unwrap();
+                assert!(!m.can_collapse());
+            } else {
+                eprintln!("{test}: hugetlbfs part skipped: fewer than 4 huge pages free");
+            }
         }
     }
 

@@ -97,6 +97,33 @@ fn huge_cfg(capacity: u64) -> StoreConfig {
 #[ignore = "child process entry point, started by the other tests"]
 fn child_entry() {
     let (role, args) = child_role().expect("child_entry runs only as a child process");
+    if role == "no-descriptors" {
+        // Every descriptor number this process may have is taken: memfd_create fails with
+        // EMFILE, whatever pages the store asks for.
+        let lowest_free =
+            std::os::fd::AsRawFd::as_raw_fd(&std::fs::File::open("/dev/null").unwrap());
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit only read and write the struct passed.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit), 0);
+            limit.rlim_cur = lowest_free as libc::rlim_t;
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &limit), 0);
+        }
+        for huge in [HugePages::Hugetlb, HugePages::Off] {
+            let cfg = StoreConfig {
+                huge_pages: huge,
+                ..huge_cfg(4 << 20)
+            };
+            match Store::create_anonymous(&cfg) {
+                Err(e) => say(format!("{huge:?}: {e:?} | {e}")),
+                Ok(_) => say(format!("{huge:?}: created")),
+            }
+        }
+        return;
+    }
     let opts = AttachOptions {
         read_only: role == "read-only",
         ..Default::default()
@@ -248,6 +275,22 @@ fn hugetlb_outside_a_hugetlbfs_directory_is_a_config_error() {
     assert!(!std::env::temp_dir().join(&name).exists());
 }
 
+/// A huge-page memfd that cannot be made for want of descriptors is an I/O error that says
+/// so, not a claim that the kernel has no huge-page memfds.
+#[test]
+fn running_out_of_descriptors_is_not_a_missing_kernel_feature() {
+    let mut child = spawn(CHILD_ENTRY, "no-descriptors", &[]);
+    for want in ["Hugetlb", "Off"] {
+        let line = child.recv();
+        let (huge, error) = line.split_once(": ").unwrap();
+        assert_eq!(huge, want, "{line}");
+        assert!(error.starts_with("Io {"), "{line}");
+        assert!(error.contains("memfd_create"), "{line}");
+        assert!(error.contains("Too many open files"), "{line}");
+    }
+    child.finish();
+}
+
 #[test]
 fn too_few_free_huge_pages_fail_at_creation_with_the_numbers() {
     let _pool = pool();
@@ -269,6 +312,11 @@ fn too_few_free_huge_pages_fail_at_creation_with_the_numbers() {
             };
             assert_eq!(page_size, HUGE);
             assert!(needed > free, "{e}");
+            // In pages, for the whole store: its heap plus a little metadata.
+            assert!(
+                needed * HUGE >= capacity && needed * HUGE < capacity + capacity / 8,
+                "{e}"
+            );
             assert!(e.to_string().contains("nr_hugepages"), "{e}");
         }
         Err(Error::InvalidConfig { reason }) if reason.contains("MFD_HUGETLB") => {

@@ -120,6 +120,49 @@ fn missing_and_existing_names() {
     ));
 }
 
+/// A store's name is 1-200 characters, has no '/', and does not start with '.' (the names
+/// stores are built under do): each rule on its own.
+#[test]
+fn store_names_follow_each_rule() {
+    let cfg = StoreConfig::with_capacity(1 << 20);
+    let tag = format!("{}", std::process::id());
+    let longest = format!("{tag}-{}", "n".repeat(200 - tag.len() - 1));
+    for bad in [
+        String::new(),
+        format!("{longest}n"),
+        format!("{tag}/x"),
+        format!(".{tag}"),
+    ] {
+        match Store::create(&bad, &cfg) {
+            Err(e @ Error::InvalidConfig { .. }) => {
+                assert!(e.to_string().contains("1-200 characters"), "{e}")
+            }
+            other => panic!("{bad:?}: {other:?}"),
+        }
+    }
+    for good in [longest, format!("{tag}.with.dots.")] {
+        let s = Store::create(&good, &cfg).unwrap();
+        let _c = Cleanup(s.path().unwrap().to_path_buf());
+        assert!(s.path().unwrap().ends_with(&good));
+    }
+}
+
+/// Opening something that exists but cannot be opened as a store file (a directory) is
+/// an I/O error that says what failed, not "no such store".
+#[test]
+fn a_directory_is_not_a_missing_store() {
+    let dir = PathBuf::from("/dev/shm").join(unique_name("dir"));
+    std::fs::create_dir(&dir).unwrap();
+    let result = Store::open_path(&dir);
+    std::fs::remove_dir(&dir).unwrap();
+    match result {
+        Err(e @ Error::Io { op: "open", .. }) => {
+            assert!(e.to_string().contains("Is a directory"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn undersized_filesystem_fails_at_create_with_the_numbers() {
     // A directory whose file system cannot hold the store: ask for more than /dev/shm has.
@@ -139,13 +182,35 @@ fn undersized_filesystem_fails_at_create_with_the_numbers() {
             .unwrap()
     };
     let cfg = StoreConfig::with_capacity(free + (1 << 30));
-    match Store::create(&unique_name("huge"), &cfg) {
-        Err(e @ Error::InsufficientSpace { .. }) => {
+    let name = unique_name("huge");
+    match Store::create(&name, &cfg) {
+        Err(
+            ref e @ Error::InsufficientSpace {
+                ref path,
+                needed,
+                available,
+            },
+        ) => {
             let m = e.to_string();
             assert!(m.contains("--shm-size"), "{m}");
+            assert_eq!(path, &PathBuf::from("/dev/shm").join(&name));
+            assert!(needed >= free + (1 << 30), "needed {needed}, free {free}");
+            // Refused before reserving anything: the free space it reports is what df
+            // said (other tests of this binary hold stores of 1 MiB meanwhile), not what
+            // is left after filling /dev/shm up to the refusal.
+            assert!(
+                available.abs_diff(free) < 64 << 20,
+                "available {available}, df said {free}"
+            );
         }
         other => panic!("{other:?}"),
     }
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().contains(&name))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 #[test]
