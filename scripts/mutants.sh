@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Mutation testing of one source file: scripts/mutants.sh FILE [JOBS]
+# Mutation testing of one source file: scripts/mutants.sh FILE [JOBS [CARGO-MUTANTS ARGS...]]
 # e.g. scripts/mutants.sh src/table/mod.rs 2
+#      scripts/mutants.sh src/region.rs 2 --re 'in check_name'   (only the mutants named so)
 # cargo-mutants changes the file one small way at a time (an operator, a return value, a
 # deleted `!`) and runs the tests that cover the core against each change; a "missed"
 # mutant is a change no test noticed. Not a CI stage: one file of the table's size takes
@@ -19,6 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 file=${1:?usage: scripts/mutants.sh FILE [JOBS]}
 jobs=${2:-1}
+shift $(($# < 2 ? $# : 2))
 shm_cap=${SHMSTORE_MUTANTS_SHM:-$((6 * jobs))G}
 command -v cargo-mutants >/dev/null || cargo install cargo-mutants --version 27.1.0 --locked
 out=target/mutants/$(echo "$file" | tr / _)
@@ -28,10 +30,13 @@ mkdir -p "$out"
 # typed errors for foreign and undersized files, and the huge-page tests, with huge pages
 # and the mounts they use made ready (64 pages a job: jobs run at once, and a test that
 # finds too few free skips, which would hide a mutant).
+# SHMSTORE_MUTANTS_TESTS replaces that list (e.g. "--lib" for a file only unit tests use).
 SHMSTORE_HUGE_PAGES=$((64 * jobs)) scripts/hugepages.sh
-run=(cargo mutants -f "$file" -o "$out" --test-tool cargo -j "$jobs" --
-  --lib --test model --test recovery --test fork --test capacity --test multiprocess --test sizing
-  --test open_errors --test huge_pages)
+tests="--lib --test model --test recovery --test fork --test capacity --test multiprocess
+  --test sizing --test open_errors --test huge_pages"
+# shellcheck disable=SC2086 # the test list is words
+run=(cargo mutants -f "$file" -o "$out" --test-tool cargo -j "$jobs" "$@" --
+  ${SHMSTORE_MUTANTS_TESTS:-$tests})
 inside="mount -t tmpfs -o size=$shm_cap shmstore-mutants /dev/shm && exec \"\$@\""
 for flags in -m -Urm; do
   if unshare "$flags" sh -c "mount -t tmpfs -o size=1M probe /dev/shm" 2>/dev/null; then

@@ -294,6 +294,15 @@ fn put_str(out: &mut Vec<u8>, s: &str, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// A metadata value's bytes after their u32 length.
+fn put_bytes32(out: &mut Vec<u8>, b: &[u8], key: &str) -> Result<()> {
+    let n = u32::try_from(b.len())
+        .map_err(|_| bad(format!("metadata {key:?}: {} bytes, over 4 GiB", b.len())))?;
+    out.extend_from_slice(&n.to_le_bytes());
+    out.extend_from_slice(b);
+    Ok(())
+}
+
 /// Lays out an item: its header, where each array goes, and the object's total length.
 ///
 /// ```
@@ -359,13 +368,11 @@ pub fn plan(arrays: &[ArraySpec], meta: &[(String, MetaValue)]) -> Result<Plan> 
             }
             MetaValue::Str(s) => {
                 h.push(3);
-                h.extend_from_slice(&(s.len() as u32).to_le_bytes());
-                h.extend_from_slice(s.as_bytes());
+                put_bytes32(&mut h, s.as_bytes(), k)?;
             }
             MetaValue::Bytes(b) => {
                 h.push(4);
-                h.extend_from_slice(&(b.len() as u32).to_le_bytes());
-                h.extend_from_slice(b);
+                put_bytes32(&mut h, b, k)?;
             }
         }
     }
@@ -629,5 +636,22 @@ mod tests {
             shape: vec![1 << 62, 4],
         };
         assert!(plan(&[huge], &[]).is_err());
+    }
+
+    /// A metadata value's length is a u32 in the header: a longer one is refused, not
+    /// written with its length wrapped (the reader would take its bytes for what follows).
+    #[test]
+    #[cfg_attr(miri, ignore = "allocates 4 GiB of address space")]
+    fn metadata_over_4_gib_is_refused() {
+        // calloc'ed and never touched: 4 GiB of address space, not of memory.
+        let big = vec![0u8; (1 << 32) + 1];
+        match plan(&[], &[("blob".into(), MetaValue::Bytes(big))]) {
+            Err(Error::BadItem { reason }) => assert!(reason.contains("over 4 GiB"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        let fits = vec![7u8; 1000];
+        let p = plan(&[], &[("blob".into(), MetaValue::Bytes(fits.clone()))]).unwrap();
+        let d = decode(&p.header).unwrap();
+        assert_eq!(d.meta, [("blob".to_string(), MetaValue::Bytes(fits))]);
     }
 }
