@@ -638,6 +638,168 @@ mod tests {
         assert!(plan(&[huge], &[]).is_err());
     }
 
+    #[test]
+    fn every_dtype_has_one_name_and_one_code() {
+        for &(d, code, name, size) in &DTYPES {
+            assert_eq!(d.name(), name);
+            assert_eq!(DType::from_name(name), Some(d));
+            assert_eq!(DType::from_code(code), Some(d));
+            assert_eq!((d.code(), d.itemsize()), (code, size));
+        }
+        assert_eq!(DType::Float32.name(), "float32");
+        assert_eq!(DType::from_name("bfloat16"), Some(DType::BFloat16));
+        for other in ["", "float", "Float32", "bfloat16 ", "complex64"] {
+            assert_eq!(DType::from_name(other), None, "{other:?}");
+        }
+        assert_eq!(DType::from_code(0), None);
+        assert_eq!(DType::from_code(11), None);
+    }
+
+    /// Where everything goes, to the byte: the header padded to 64, each array on the next
+    /// multiple of 64 (an array of 64 bytes takes exactly 64), the total likewise.
+    #[test]
+    fn the_layout_is_exact() {
+        let a = |name: &str, n| ArraySpec {
+            name: name.into(),
+            dtype: DType::UInt8,
+            shape: vec![n],
+        };
+        // 24 + (2 + 1 + 1 + 1 + 8 + 16) * 2 = 82 header bytes: 128 with padding.
+        let p = plan(&[a("a", 64), a("b", 65)], &[]).unwrap();
+        assert_eq!(p.header.len(), 128);
+        assert_eq!(p.placements, [(128, 64), (192, 65)]);
+        assert_eq!(p.total_len, 320);
+        // 24 + 29 = 53 header bytes: 64.
+        let p = plan(&[a("c", 128)], &[]).unwrap();
+        assert_eq!(
+            (p.header.len(), p.placements[0], p.total_len),
+            (64, (64, 128), 192)
+        );
+        // A header of exactly 64 bytes (24, then key length, key, kind, value length,
+        // value: 2 + 10 + 1 + 4 + 23): no padding.
+        let key = "k".repeat(10);
+        let p = plan(&[], &[(key, MetaValue::Bytes(vec![1; 23]))]).unwrap();
+        assert_eq!((p.header.len(), p.total_len), (64, 64));
+        // The last array may end exactly at the object's end.
+        let p = plan(&[a("a", 64)], &[]).unwrap();
+        let mut obj = vec![0u8; p.total_len as usize];
+        obj[..p.header.len()].copy_from_slice(&p.header);
+        assert_eq!(
+            decode(&obj).unwrap().arrays[0].offset + 64,
+            obj.len() as u64
+        );
+    }
+
+    /// A header written by hand: `n_arrays` and `n_meta` as claimed, then `body`, padded
+    /// to 64; the object is `extra` zero bytes longer than the header.
+    fn raw_item(n_arrays: u32, n_meta: u32, body: &[u8], extra: usize) -> Vec<u8> {
+        let header_len = (24 + body.len()).div_ceil(64) * 64;
+        let mut o = MAGIC.to_vec();
+        for word in [header_len as u32, n_arrays, n_meta, 0] {
+            o.extend_from_slice(&word.to_le_bytes());
+        }
+        o.extend_from_slice(body);
+        o.resize(header_len + extra, 0);
+        o
+    }
+
+    /// One array's record: an unnamed uint8 array of `shape` at `offset`.
+    fn array_record(shape: &[u64], offset: u64) -> Vec<u8> {
+        let mut r = vec![0, 0, DType::UInt8.code(), shape.len() as u8];
+        for d in shape {
+            r.extend_from_slice(&d.to_le_bytes());
+        }
+        r.extend_from_slice(&offset.to_le_bytes());
+        r.extend_from_slice(&shape.iter().product::<u64>().to_le_bytes());
+        r
+    }
+
+    /// One metadata record: an unnamed int.
+    fn int_record() -> Vec<u8> {
+        vec![0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+    }
+
+    /// The limits hold at their values and one past them, each alone, in `plan` and, for
+    /// headers written by hand, in `decode`.
+    #[test]
+    fn limits_hold_at_their_edges() {
+        let one = ArraySpec {
+            name: String::new(),
+            dtype: DType::UInt8,
+            shape: vec![],
+        };
+        let int = (String::new(), MetaValue::Int(1));
+        let arrays = vec![one.clone(); MAX_ARRAYS];
+        let meta = vec![int.clone(); MAX_META];
+        let p = plan(&arrays, &meta).unwrap();
+        let mut obj = vec![0u8; p.total_len as usize];
+        obj[..p.header.len()].copy_from_slice(&p.header);
+        let d = decode(&obj).unwrap();
+        assert_eq!((d.arrays.len(), d.meta.len()), (MAX_ARRAYS, MAX_META));
+        let more_arrays = vec![one.clone(); MAX_ARRAYS + 1];
+        let more_meta = vec![int; MAX_META + 1];
+        assert!(plan(&more_arrays, &[]).is_err());
+        assert!(plan(&[], &more_meta).is_err());
+        let deepest = ArraySpec {
+            shape: vec![1; MAX_NDIM],
+            ..one.clone()
+        };
+        let p = plan(&[deepest], &[]).unwrap();
+        let mut obj = vec![0u8; p.total_len as usize];
+        obj[..p.header.len()].copy_from_slice(&p.header);
+        assert_eq!(decode(&obj).unwrap().arrays[0].spec.shape.len(), MAX_NDIM);
+
+        // By hand, one past each limit, in a header that holds every record.
+        let at = |n_records: usize, record_len: usize| {
+            ((24 + n_records * record_len).div_ceil(64) * 64) as u64
+        };
+        let n = MAX_ARRAYS + 1;
+        let body = array_record(&[], at(n, 20)).repeat(n);
+        let o = raw_item(n as u32, 0, &body, 64);
+        assert!(
+            matches!(decode(&o), Err(Error::BadItem { reason }) if reason.contains("too many"))
+        );
+        let body = array_record(&[], at(MAX_ARRAYS, 20)).repeat(MAX_ARRAYS);
+        assert!(decode(&raw_item(MAX_ARRAYS as u32, 0, &body, 64)).is_ok());
+        let n = MAX_META + 1;
+        let o = raw_item(0, n as u32, &int_record().repeat(n), 0);
+        assert!(
+            matches!(decode(&o), Err(Error::BadItem { reason }) if reason.contains("too many"))
+        );
+        assert!(decode(&raw_item(
+            0,
+            MAX_META as u32,
+            &int_record().repeat(MAX_META),
+            0
+        ))
+        .is_ok());
+        let deep = array_record(&[1; MAX_NDIM + 1], 320);
+        let o = raw_item(1, 0, &deep, 64);
+        assert!(
+            matches!(decode(&o), Err(Error::BadItem { reason }) if reason.contains("33 dimensions"))
+        );
+    }
+
+    /// Each of the checks that an array lies inside the object after its header, alone.
+    #[test]
+    fn an_array_must_lie_after_the_header_and_inside_the_object() {
+        // One record: header 64 bytes; the object 64 more.
+        let item = |offset: u64, n: u64| raw_item(1, 0, &array_record(&[n], offset), 64);
+        assert!(decode(&item(64, 64)).is_ok());
+        for (offset, n, why) in [
+            (65, 1, "not on a 64-byte boundary"),
+            (0, 1, "inside the header"),
+            (64, 65, "past the end"),
+            (128, 1, "past the end"),
+            (u64::MAX - 63, 64, "overflowing"),
+        ] {
+            assert!(
+                matches!(decode(&item(offset, n)), Err(Error::BadItem { .. })),
+                "{offset}+{n}: {why}"
+            );
+        }
+    }
+
     /// A metadata value's length is a u32 in the header: a longer one is refused, not
     /// written with its length wrapped (the reader would take its bytes for what follows).
     #[test]
