@@ -88,6 +88,18 @@ fn child_entry() {
                 if !matches!(c.set_evictable(false), Err(Error::Forked { .. })) {
                     return 4;
                 }
+                if !matches!(c.writable_here(), Err(Error::Forked { .. })) {
+                    return 6;
+                }
+                // Reading or writing through it panics with that error's message.
+                let quiet = std::panic::take_hook();
+                std::panic::set_hook(Box::new(|_| {}));
+                let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c[0]));
+                let write = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c[0] = 9));
+                std::panic::set_hook(quiet);
+                if read.is_ok() || write.is_ok() {
+                    return 7;
+                }
                 store.put(&ObjectId::of_key("from-child"), b"hi").unwrap();
                 if store.stats().clients != 3 {
                     return 5; // parent, test process and this child
@@ -109,7 +121,10 @@ fn child_entry() {
                 after.clients
             ));
             store.check_invariants().unwrap();
-            c.seal().unwrap(); // the parent's creation survived the child's drop
+            // The parent's creation survived the child's drop, bytes and all.
+            c.writable_here().unwrap();
+            assert!(c.len() == 1000 && c.iter().all(|&b| b == 3));
+            c.seal().unwrap();
             drop(view);
             say(format!("pins now {}", store.stats().pins));
             let _ = hear();

@@ -158,7 +158,7 @@ pub(super) struct Inner {
     pub(super) read_only: bool,
     /// Process-local: which [`POPULATE_CHUNK`]s of the heap this process has populated
     /// (one bit each), so that populating on use costs one madvise per chunk, once.
-    populated: Box<[AtomicU64]>,
+    pub(super) populated: Box<[AtomicU64]>,
     /// Process-local: objects of at least [`POPULATE_MIN`] bytes this process is writing
     /// now. The background populate thread waits while there are any, so that a large
     /// put does not share memory bandwidth (and the kernel's page zeroing) with it.

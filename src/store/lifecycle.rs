@@ -383,6 +383,29 @@ mod tests {
     use super::*;
     use crate::testing::RemovedAtEnd;
 
+    /// The creator attaches with its config's settings: its spin before a get sleeps, and
+    /// a prefaulted store known to be populated here (no chunk is populated again).
+    #[test]
+    fn the_creator_attaches_as_its_config_says() {
+        use crate::sync::Ordering;
+        let spin = std::time::Duration::from_micros(123);
+        for prefault in [true, false] {
+            let cfg = StoreConfig {
+                get_spin: spin,
+                prefault,
+                populate_in_background: false,
+                huge_pages: HugePages::Off,
+                ..StoreConfig::with_capacity(16 << 20)
+            };
+            let s = Store::create_anonymous(&cfg).unwrap();
+            assert_eq!(s.inner.get_spin, spin);
+            assert!(!s.inner.read_only);
+            let populated = &s.inner.populated;
+            let want = if prefault { u64::MAX } else { 0 };
+            assert!(populated.iter().all(|w| w.load(Ordering::Relaxed) == want));
+        }
+    }
+
     #[test]
     fn a_pause_of_the_background_thread_ends_when_it_is_told_to_stop() {
         use crate::sync::{AtomicU32, Ordering};
