@@ -406,6 +406,15 @@ mod tests {
         }
     }
 
+    /// A creation shows its id and length when debug-printed (as in a failed assert).
+    #[test]
+    fn a_creation_debug_prints_its_id_and_length() {
+        let s = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20)).unwrap();
+        let id = crate::ObjectId::of_key("shown");
+        let c = s.create_object(&id, 321).unwrap();
+        assert_eq!(format!("{c:?}"), format!("Creation {{ id: {id:?}, len: 321 }}"));
+    }
+
     #[test]
     fn a_pause_of_the_background_thread_ends_when_it_is_told_to_stop() {
         use crate::sync::{AtomicU32, Ordering};
