@@ -685,7 +685,35 @@ fn remove_if_unused_leaves_files_that_are_not_stores_alone() {
         Store::remove_if_unused(&path),
         Err(Error::NotAStore { .. })
     ));
+    // The magic, and no version after it.
+    std::fs::write(&path, b"SHMSTORE").unwrap();
+    assert!(matches!(
+        Store::remove_if_unused(&path),
+        Err(Error::NotAStore { .. })
+    ));
     assert!(path.exists());
+}
+
+/// Layout versions 0 and 1 took no liveness locks, so whether a process uses such a store
+/// cannot be told: it is left alone. From version 2 on an unlocked store is removed.
+#[test]
+fn remove_if_unused_removes_only_stores_that_show_their_users() {
+    let path = std::path::PathBuf::from("/dev/shm").join(common::unique_name("old-versions"));
+    let _c = Cleanup(path.clone());
+    let store_of = |version: u32| {
+        let mut bytes = b"SHMSTORE".to_vec();
+        bytes.extend_from_slice(&version.to_le_bytes());
+        bytes.resize(4096, 0);
+        std::fs::write(&path, bytes).unwrap();
+    };
+    for version in [0, 1] {
+        store_of(version);
+        assert!(!Store::remove_if_unused(&path).unwrap(), "version {version}");
+        assert!(path.exists());
+    }
+    store_of(2);
+    assert!(Store::remove_if_unused(&path).unwrap());
+    assert!(!path.exists());
 }
 
 #[test]

@@ -460,6 +460,33 @@ mod tests {
         );
     }
 
+    /// An attach starts a background population only when asked to, and not when it
+    /// prefaults (which populates everything at once).
+    #[test]
+    fn an_attach_populates_in_the_background_only_when_asked_and_not_prefaulting() {
+        let name = format!("background-open-{}", std::process::id());
+        let cfg = StoreConfig {
+            prefault: false,
+            populate_in_background: false,
+            ..StoreConfig::with_capacity(16 << 20)
+        };
+        let creator = Store::create(&name, &cfg).unwrap();
+        let _removed = RemovedAtEnd::of(&creator);
+        assert!(!creator.inner.populating());
+        let path = creator.path().unwrap().to_path_buf();
+        for (populate_in_background, prefault, want) in
+            [(true, false, true), (false, false, false), (true, true, false)]
+        {
+            let opts = AttachOptions {
+                populate_in_background,
+                prefault,
+                ..Default::default()
+            };
+            let s = Store::open_with(&path, &opts).unwrap();
+            assert_eq!(s.inner.populating(), want, "{opts:?}");
+        }
+    }
+
     /// Resident KiB of the mapping (VMA) of this process that holds `addr`.
     fn resident_kib_at(addr: usize) -> u64 {
         smaps_kib_at(addr, "Rss:")
