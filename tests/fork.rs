@@ -131,12 +131,18 @@ fn child_entry() {
         }
         // Forks a child that pins `args[1]` and reports; the parent (this process) waits
         // to be killed. The child then waits for `args[2]` to appear, and reports whether
-        // its view's bytes changed.
+        // its view's bytes changed. With `args[3]` "inherit", the parent takes the view
+        // before it forks, and the child's pin is the one its first read of the inherited
+        // view takes (adoption).
         "fork-pin-and-outlive" => {
             let target: ObjectId = args[1].parse().unwrap();
             let go: ObjectId = args[2].parse().unwrap();
+            let mut inherited = (args.get(3).map(String::as_str) == Some("inherit"))
+                .then(|| store.try_get(&target).unwrap());
             let _pid = fork_and(|| {
-                let v = store.try_get(&target).unwrap();
+                let v = inherited
+                    .take()
+                    .unwrap_or_else(|| store.try_get(&target).unwrap());
                 let expect = v.to_vec();
                 say("child pinned");
                 // Wait (on the store's own futex) until the test says the block has
@@ -183,18 +189,34 @@ fn a_forked_child_that_exits_normally_leaves_the_parents_slot_pins_and_creations
 
 #[test]
 fn a_childs_pin_holds_when_its_parent_is_killed_and_the_space_is_reused() {
+    a_childs_pin_outlives_its_parent(false);
+}
+
+/// The same with a view the child inherited: the pin its first read of it took in its own
+/// name holds the object once the parent, whose view it was, is gone.
+#[test]
+fn an_inherited_view_holds_when_its_parent_is_killed_and_the_space_is_reused() {
+    a_childs_pin_outlives_its_parent(true);
+}
+
+fn a_childs_pin_outlives_its_parent(inherit: bool) {
     // Room for the target, one more object of its size (not two), and small ones.
     let size = 1 << 20;
     let cap = 2 * size as u64 + (64 << 10);
-    let (store, _c) = new_store("fork-kill", StoreConfig::with_capacity(cap));
+    let tag = if inherit {
+        "fork-kill-inherit"
+    } else {
+        "fork-kill"
+    };
+    let (store, _c) = new_store(tag, StoreConfig::with_capacity(cap));
     let target = ObjectId::of_key("target");
     store.put(&target, &content(7, size)).unwrap();
     let go = ObjectId::of_key("go");
-    let mut p = child(
-        "fork-pin-and-outlive",
-        &store,
-        &[target.to_string(), go.to_string()],
-    );
+    let mut args = vec![target.to_string(), go.to_string()];
+    if inherit {
+        args.push("inherit".into());
+    }
+    let mut p = child("fork-pin-and-outlive", &store, &args);
     let mut got = vec![p.recv(), p.recv()];
     got.sort();
     assert_eq!(got, ["child pinned", "parent holding"]);

@@ -708,7 +708,10 @@ fn remove_if_unused_removes_only_stores_that_show_their_users() {
     };
     for version in [0, 1] {
         store_of(version);
-        assert!(!Store::remove_if_unused(&path).unwrap(), "version {version}");
+        assert!(
+            !Store::remove_if_unused(&path).unwrap(),
+            "version {version}"
+        );
         assert!(path.exists());
     }
     store_of(2);

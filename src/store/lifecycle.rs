@@ -406,13 +406,32 @@ mod tests {
         }
     }
 
+    /// A view gives the object's bytes (as a slice, through `as_ref` and its pointer) and
+    /// its metadata, each exactly as put, and debug-prints its id and length.
+    #[test]
+    fn a_view_gives_the_bytes_and_metadata_as_put() {
+        let s = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20)).unwrap();
+        let id = crate::ObjectId::of_key("seen");
+        s.put_with_meta(&id, b"payload bytes", b"{\"fps\": 30}").unwrap();
+        let v = s.try_get(&id).unwrap();
+        assert_eq!(&v[..], b"payload bytes");
+        assert_eq!(v.as_ref(), b"payload bytes");
+        assert_eq!(v.meta(), b"{\"fps\": 30}");
+        assert_eq!(v.as_ptr(), v[..].as_ptr());
+        assert!(!v.as_ptr().is_null());
+        assert_eq!(format!("{v:?}"), format!("View {{ id: {id:?}, len: 13 }}"));
+    }
+
     /// A creation shows its id and length when debug-printed (as in a failed assert).
     #[test]
     fn a_creation_debug_prints_its_id_and_length() {
         let s = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20)).unwrap();
         let id = crate::ObjectId::of_key("shown");
         let c = s.create_object(&id, 321).unwrap();
-        assert_eq!(format!("{c:?}"), format!("Creation {{ id: {id:?}, len: 321 }}"));
+        assert_eq!(
+            format!("{c:?}"),
+            format!("Creation {{ id: {id:?}, len: 321 }}")
+        );
     }
 
     #[test]
@@ -474,9 +493,11 @@ mod tests {
         let _removed = RemovedAtEnd::of(&creator);
         assert!(!creator.inner.populating());
         let path = creator.path().unwrap().to_path_buf();
-        for (populate_in_background, prefault, want) in
-            [(true, false, true), (false, false, false), (true, true, false)]
-        {
+        for (populate_in_background, prefault, want) in [
+            (true, false, true),
+            (false, false, false),
+            (true, true, false),
+        ] {
             let opts = AttachOptions {
                 populate_in_background,
                 prefault,
