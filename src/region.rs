@@ -1011,13 +1011,7 @@ mod tests {
     fn a_new_name_is_locked_until_its_creator_lets_go() {
         // `remove_if_unused` must not take a store whose creator has published its name
         // but not attached yet: the name appears with byte 0 locked.
-        let sb = Params {
-            heap_size: 1 << 20,
-            table_slots: 64,
-            max_clients: 4,
-        }
-        .layout()
-        .unwrap();
+        let sb = small_superblock(1 << 20);
         let dir = Path::new("/dev/shm");
         let name = format!("shmstore-region-lock-{}", std::process::id());
         let (m, creating) =
@@ -1129,13 +1123,7 @@ mod tests {
     /// faults on any access.
     #[test]
     fn the_slack_around_a_mapping_is_inaccessible() {
-        let sb = Params {
-            heap_size: 1 << 20,
-            table_slots: 64,
-            max_clients: 4,
-        }
-        .layout()
-        .unwrap();
+        let sb = small_superblock(1 << 20);
         let mut before = 0;
         // Each store is its own mmap; keep them so that the kernel places the next
         // elsewhere, and look at several: one at least starts past memmap2's start.

@@ -412,7 +412,8 @@ mod tests {
     fn a_view_gives_the_bytes_and_metadata_as_put() {
         let s = Store::create_anonymous(&StoreConfig::with_capacity(1 << 20)).unwrap();
         let id = crate::ObjectId::of_key("seen");
-        s.put_with_meta(&id, b"payload bytes", b"{\"fps\": 30}").unwrap();
+        s.put_with_meta(&id, b"payload bytes", b"{\"fps\": 30}")
+            .unwrap();
         let v = s.try_get(&id).unwrap();
         assert_eq!(&v[..], b"payload bytes");
         assert_eq!(v.as_ref(), b"payload bytes");
@@ -479,18 +480,24 @@ mod tests {
         );
     }
 
-    /// An attach starts a background population only when asked to, and not when it
-    /// prefaults (which populates everything at once).
-    #[test]
-    fn an_attach_populates_in_the_background_only_when_asked_and_not_prefaulting() {
-        let name = format!("background-open-{}", std::process::id());
+    /// A named store of 16 MiB that nothing populates: not prefaulted, and no background
+    /// population in its creator.
+    fn unpopulated_store(tag: &str) -> (Store, RemovedAtEnd) {
         let cfg = StoreConfig {
             prefault: false,
             populate_in_background: false,
             ..StoreConfig::with_capacity(16 << 20)
         };
-        let creator = Store::create(&name, &cfg).unwrap();
-        let _removed = RemovedAtEnd::of(&creator);
+        let creator = Store::create(&format!("{tag}-{}", std::process::id()), &cfg).unwrap();
+        let removed = RemovedAtEnd::of(&creator);
+        (creator, removed)
+    }
+
+    /// An attach starts a background population only when asked to, and not when it
+    /// prefaults (which populates everything at once).
+    #[test]
+    fn an_attach_populates_in_the_background_only_when_asked_and_not_prefaulting() {
+        let (creator, _removed) = unpopulated_store("background-open");
         assert!(!creator.inner.populating());
         let path = creator.path().unwrap().to_path_buf();
         for (populate_in_background, prefault, want) in [
@@ -536,14 +543,7 @@ mod tests {
 
     #[test]
     fn prefault_maps_a_read_only_attach_for_reading() {
-        let name = format!("prefault-ro-{}", std::process::id());
-        let cfg = StoreConfig {
-            prefault: false,
-            populate_in_background: false,
-            ..StoreConfig::with_capacity(16 << 20)
-        };
-        let creator = Store::create(&name, &cfg).unwrap();
-        let _removed = RemovedAtEnd::of(&creator);
+        let (creator, _removed) = unpopulated_store("prefault-ro");
         let opts = AttachOptions {
             read_only: true,
             ..AttachOptions::default()
