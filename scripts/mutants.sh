@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing of one source file: scripts/mutants.sh FILE [JOBS [CARGO-MUTANTS ARGS...]]
 # e.g. scripts/mutants.sh src/table/mod.rs 2
-#      scripts/mutants.sh src/region.rs 2 --re 'in check_name'   (only the mutants named so)
+#      scripts/mutants.sh src/region/mod.rs 2 --re 'in check_name'   (only the mutants named so)
 # cargo-mutants changes the file one small way at a time (an operator, a return value, a
 # deleted `!`) and runs the tests that cover the core against each change; a "missed"
 # mutant is a change no test noticed. Not a CI stage: one file of the table's size takes
