@@ -156,6 +156,23 @@ fn child_entry() {
             say("parent holding");
             let _ = hear(); // killed before the test says anything
         }
+        // Forks a child while every client slot is taken: the child cannot attach, but
+        // its `stats` still counts the clients the slots show, and its writes say why
+        // they fail.
+        "fork-without-a-slot" => {
+            let pid = fork_and(|| {
+                let st = store.stats();
+                if st.clients != 2 || st.dead_clients != 0 {
+                    return 2; // the test process and this child's parent
+                }
+                match store.put(&ObjectId::of_key("no slot"), b"x") {
+                    Err(Error::TooManyClients { max: 2 }) => 0,
+                    _ => 3,
+                }
+            });
+            say(format!("child exited {}", wait_exit(pid)));
+            let _ = hear();
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -185,6 +202,19 @@ fn a_forked_child_that_exits_normally_leaves_the_parents_slot_pins_and_creations
     assert_eq!((st.clients, st.dead_clients), (2, 0), "{st:?}");
     finish(p);
     store.check_invariants().unwrap();
+}
+
+#[test]
+fn a_forked_child_finding_every_slot_taken_still_reads_the_stats() {
+    let cfg = StoreConfig {
+        max_clients: 2,
+        ..StoreConfig::with_capacity(1 << 20)
+    };
+    let (store, _c) = new_store("fork-no-slot", cfg);
+    let mut p = child("fork-without-a-slot", &store, &[]);
+    assert_eq!(p.recv(), "child exited 0");
+    finish(p);
+    assert!(!store.contains(&ObjectId::of_key("no slot")));
 }
 
 #[test]

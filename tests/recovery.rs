@@ -880,6 +880,10 @@ fn a_sweep_token_left_by_a_killed_sweeper_is_freed_even_when_its_slot_is_reused_
     let mut a = child("hold-sweep-token", &store, &[]);
     assert_eq!(a.recv(), "holding token");
     kill(a);
+    assert!(
+        store.stats().sweep_pending,
+        "the killed sweeper owed a sweep"
+    );
     // A new process moves into the dead sweeper's slot (the only one): the token named
     // that slot, which is alive again, but it must not count as the sweeper.
     let mut b = child("attach", &store, &[]);

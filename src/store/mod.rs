@@ -27,6 +27,8 @@ mod config;
 mod creation;
 mod lifecycle;
 mod observe;
+#[cfg(test)]
+mod tests;
 mod view;
 
 pub use config::{

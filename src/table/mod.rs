@@ -1040,6 +1040,28 @@ impl<'a> Table<'a> {
         Ok(())
     }
 
+    /// Test hook: slot `i`'s index for `id`'s live entry.
+    #[cfg(test)]
+    pub(crate) fn index_of(&self, id: &ObjectId) -> Option<usize> {
+        self.find(id).map(|(i, _)| i)
+    }
+
+    /// Test hook: writes slot `i` as a step in flight, or a buggy process, leaves it.
+    #[cfg(test)]
+    pub(crate) fn write_slot(&self, i: usize, c: Ctl, e: &Entry) {
+        let s = &self.slots[i];
+        s.offset.store(e.offset, Ordering::Relaxed);
+        s.len.store(e.len, Ordering::Relaxed);
+        s.info.store(e.info(), Ordering::Relaxed);
+        s.ctl.store(c.0, Ordering::Release);
+    }
+
+    /// Test hook: sets client `c`'s pin counter on slot `i`, behind the counters' back.
+    #[cfg(test)]
+    pub(crate) fn set_counter(&self, i: usize, c: u16, pins: u16) {
+        self.counter(i, c).store(pins, Ordering::Relaxed);
+    }
+
     // ----- recovery of a dead client (see crate::recovery) -------------------------------
 
     /// Lowers dead client `dead`'s counter on slot `i` to zero and frees the slot if that

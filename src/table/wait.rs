@@ -71,6 +71,12 @@ impl Table<'_> {
         &self.waits[((id.mix() >> 40) % WAIT_BUCKETS) as usize]
     }
 
+    /// How many getters sleep on `id`'s bucket now (tests: to act once a getter waits).
+    #[cfg(test)]
+    pub(crate) fn sleepers(&self, id: &ObjectId) -> u32 {
+        self.wait_bucket(id).waiters.load(Ordering::Acquire)
+    }
+
     /// Wakes getters sleeping on `id`'s bucket (no syscall when nobody sleeps).
     ///
     /// Both sides of the sleeper/waker handshake use read-modify-writes (`seq += 1` then
