@@ -363,6 +363,24 @@ fn a_store_can_remove_itself_when_its_last_client_leaves() {
     assert!(!c.0.exists(), "the store should be gone");
 }
 
+/// The last live client of a self-removing store removes it as it leaves even when a
+/// dead client was never recovered (nobody attached since it died): it recovers the dead
+/// one first.
+#[test]
+fn a_self_removing_store_goes_with_its_last_live_client_though_a_dead_one_was_never_recovered() {
+    let cfg = StoreConfig {
+        remove_when_unused: true,
+        ..StoreConfig::with_capacity(1 << 20)
+    };
+    let (store, c) = new_store("autoremove-dead", cfg);
+    let mut p = child("attach", &store, &[]);
+    assert_eq!(p.recv(), "attached");
+    kill(p);
+    assert_eq!(store.stats().dead_clients, 1);
+    drop(store);
+    assert!(!c.0.exists(), "the store should be gone");
+}
+
 #[test]
 fn a_process_that_leaves_at_exit_no_longer_keeps_the_store_in_use() {
     // vLLM kills its workers at shutdown and its front-end exits with its handle still

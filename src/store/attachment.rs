@@ -198,7 +198,7 @@ const MAINTENANCE_CHECK: u64 = 256;
 /// Objects at least this large are populated on first use (docs/design.md, "Prefaulting").
 pub(super) const POPULATE_MIN: u64 = 256 << 10;
 /// The heap's population is tracked per chunk of this many bytes.
-const POPULATE_CHUNK: u64 = 2 << 20;
+pub(super) const POPULATE_CHUNK: u64 = 2 << 20;
 /// What the background population does between two looks at this process's large
 /// writes (and at its stop flag).
 const POPULATE_PIECE: u64 = 256 << 10;
@@ -615,21 +615,7 @@ impl Inner {
     /// dropping the store stops it (and waits for its current chunk, a few milliseconds).
     pub(super) fn populate_in_background(self: &Arc<Self>, write: bool) {
         if write {
-            // The creator makes the bottom of the heap ready before returning (where the
-            // first objects go): a put right after create then finds its pages ready
-            // instead of faulting them in while the thread below zeroes the same region
-            // (two threads zeroing shmem pages at once contend in the kernel: 170 ms for
-            // a first 64 MiB put measured that way, against 7 ms warm). Rebuilt as 2 MiB
-            // pages where the kernel can, which zeroes them as populating does: a process
-            // that then reads the first objects maps 32 entries per 64 MiB, not 16,384,
-            // and no rebuild copies these pages later under a put.
-            let head = FIRST_POPULATED.min(self.sb.heap_size);
-            for i in 0..head / POPULATE_CHUNK {
-                if self.collapse_chunk(i) {
-                    self.claim_chunk(i);
-                }
-            }
-            self.populate_chunks(self.heap, head, true);
+            self.populate_head();
         }
         // The creator's thread goes on from the chunks rebuilt above (none where the
         // kernel rebuilds nothing: then the head's chunks are claimed, and skipped).
@@ -709,6 +695,40 @@ impl Inner {
             let mut slot = self.populator.lock().unwrap_or_else(|e| e.into_inner());
             *slot = Some((stop, handle, liveness::generation()));
         }
+    }
+
+    /// The creator makes the bottom of the heap ([`FIRST_POPULATED`] bytes) ready before
+    /// `create` returns (where the first objects go): a put right after create then finds
+    /// its pages ready instead of faulting them in while the background thread zeroes the
+    /// same region (two threads zeroing shmem pages at once contend in the kernel: 170 ms
+    /// for a first 64 MiB put measured that way, against 7 ms warm). Rebuilt as 2 MiB
+    /// pages where the kernel can, which zeroes them as populating does: a process that
+    /// then reads the first objects maps 32 entries per 64 MiB, not 16,384, and no rebuild
+    /// copies these pages later under a put.
+    pub(super) fn populate_head(&self) {
+        let head = FIRST_POPULATED.min(self.sb.heap_size);
+        for i in 0..head / POPULATE_CHUNK {
+            if self.collapse_chunk(i) {
+                self.claim_chunk(i);
+            }
+        }
+        self.populate_chunks(self.heap, head, true);
+    }
+
+    /// Whether this process's background population ran to its end (tests).
+    #[cfg(test)]
+    pub(super) fn population_finished(&self) -> bool {
+        self.populator
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|(_, handle, _)| handle.is_finished())
+    }
+
+    /// Whether heap chunk `c` is marked populated in this process (tests).
+    #[cfg(test)]
+    pub(super) fn chunk_populated(&self, c: u64) -> bool {
+        self.populated[(c / 64) as usize].load(Ordering::Relaxed) & (1 << (c % 64)) != 0
     }
 
     /// Stops this process's background population, if it runs one, and waits for its

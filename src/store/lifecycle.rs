@@ -455,10 +455,82 @@ mod tests {
             "it waited out {:?}",
             t.elapsed()
         );
+        let t = Instant::now();
         assert!(super::super::attachment::pause_unless_stopped(
-            Duration::from_millis(1),
+            Duration::from_millis(30),
             &|| false
         ));
+        assert!(
+            t.elapsed() >= Duration::from_millis(30),
+            "a pause nobody stops lasts its length: {:?}",
+            t.elapsed()
+        );
+    }
+
+    /// The creator populates the heap's first 33 chunks of 2 MiB (a 64 MiB object and
+    /// its header) before `create` returns, and no more: the rest is the background
+    /// thread's.
+    #[test]
+    fn the_creator_populates_the_head_of_the_heap_and_no_more() {
+        let cfg = StoreConfig {
+            prefault: false,
+            populate_in_background: false,
+            huge_pages: HugePages::Off,
+            ..StoreConfig::with_capacity(96 << 20)
+        };
+        let s = Store::create_anonymous(&cfg).unwrap();
+        let chunks = (96 << 20) / attachment::POPULATE_CHUNK;
+        assert!((0..chunks).all(|c| !s.inner.chunk_populated(c)));
+        let (heap, _) = s.inner.heap_region();
+        let before = resident_kib_at(heap as usize);
+        s.inner.populate_head();
+        for c in 0..chunks {
+            assert_eq!(s.inner.chunk_populated(c), c < 33, "chunk {c}");
+        }
+        let added = resident_kib_at(heap as usize) - before;
+        assert!(
+            (66 << 10..96 << 10).contains(&added),
+            "{added} KiB populated"
+        );
+    }
+
+    /// The background population goes through the whole heap past the head, and ends.
+    #[test]
+    fn the_background_population_reaches_the_end_of_the_heap() {
+        use std::time::{Duration, Instant};
+        let cfg = StoreConfig {
+            prefault: false,
+            populate_in_background: true,
+            huge_pages: HugePages::Off,
+            ..StoreConfig::with_capacity(96 << 20)
+        };
+        let s = Store::create_anonymous(&cfg).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !s.inner.population_finished() {
+            assert!(Instant::now() < deadline, "the population never ended");
+            // A poll for the thread's end (no event marks it), not a race papered over.
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let chunks = (96 << 20) / attachment::POPULATE_CHUNK;
+        assert!((0..chunks).all(|c| s.inner.chunk_populated(c)));
+        let (heap, _) = s.inner.heap_region();
+        assert!(resident_kib_at(heap as usize) >= 96 << 10);
+    }
+
+    /// A client slot is held by an OFD lock on the first byte of its client header, which
+    /// any process can probe (`shmstore stat`, the removal check).
+    #[test]
+    fn a_client_slot_is_held_by_a_lock_on_the_first_byte_of_its_header() {
+        let (creator, _removed) = unpopulated_store("slot-lock-byte");
+        let other = Store::open_path(creator.path().unwrap()).unwrap();
+        let inner = &creator.inner;
+        let probe = crate::liveness::LockFile::open(inner.map.file(), inner.map.path()).unwrap();
+        let sb = &inner.sb;
+        for i in 0..sb.max_clients {
+            let header = sb.clients_offset + i * sb.client_stride;
+            assert_eq!(probe.locked_elsewhere(header), i < 2, "slot {i}");
+        }
+        drop(other);
     }
 
     #[test]
