@@ -20,6 +20,7 @@ threaded=(
   alloc::tests::front::threads_allocate_and_free_concurrently
   table::tests::racing_creates_of_one_id_admit_exactly_one
   table::tests::pin_wait_wakes_on_seal_and_times_out
+  table::tests::notify_and_nudge_wake_a_registered_sleeper
   sync::tests::wake_releases_a_waiter
 )
 python3 - "${threaded[@]}" <<'PY'

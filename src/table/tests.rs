@@ -542,18 +542,32 @@ fn pin_wait_case(spin: u64) {
     let h2 = h.clone();
     let waiter = std::thread::spawn(move || {
         let t = h2.as_client(1);
-        matches!(
+        let start = Instant::now();
+        let pinned = matches!(
             t.pin_wait(
                 &id,
-                Some(Instant::now() + Duration::from_secs(20)),
+                Some(Instant::now() + Duration::from_secs(60)),
                 Duration::from_micros(spin)
             )
             .unwrap(),
             Pin::Pinned(..)
-        )
+        );
+        (pinned, start.elapsed())
     });
+    if spin == 0 {
+        // Seal only once the waiter sleeps on the futex: the seal's wake must end the
+        // sleep, not the waiter's deadline (a lost wake-up shows only as a 60 s wait).
+        while t.sleepers(&id) == 0 {
+            std::thread::yield_now();
+        }
+    }
     sealed(&t, &id, &e(0));
-    assert!(waiter.join().unwrap());
+    let (pinned, waited) = waiter.join().unwrap();
+    assert!(pinned);
+    assert!(
+        waited < Duration::from_secs(30),
+        "woken only by the deadline: {waited:?}"
+    );
 }
 
 /// `Entry::block` is the one gate between a table entry another process wrote and the
@@ -611,4 +625,79 @@ fn an_entry_is_a_block_only_where_its_bytes_fit_its_kind_and_the_heap() {
     // Kinds no allocator writes.
     assert!(block(entry(0, 1, 0, CLASS_SIZES.len() as u8 + 1)).is_err());
     assert!(block(entry(0, 1, 0, u8::MAX)).is_err());
+}
+
+/// A notify wakes a registered sleeper at once, and so does a nudge: neither leaves it
+/// to its timeout (every sleeper has one, so a lost wake-up shows only as a wait of its
+/// whole length: 60 s here, against the few microseconds a wake takes). The sleeper
+/// follows the protocol: register, check its condition, sleep on the sequence it
+/// registered at (a notify between the registration and the sleep is then seen either
+/// by the check or by the futex).
+#[test]
+fn notify_and_nudge_wake_a_registered_sleeper() {
+    use crate::sync::AtomicU32;
+    for nudge in [false, true] {
+        let bucket = std::sync::Arc::new(WaitBucket::default());
+        let done = std::sync::Arc::new(AtomicU32::new(0));
+        let sleeper = {
+            let (bucket, done) = (bucket.clone(), done.clone());
+            std::thread::spawn(move || {
+                let seq = bucket.register();
+                let start = Instant::now();
+                if done.load(Ordering::Acquire) == 0 {
+                    bucket.sleep(seq, Duration::from_secs(60));
+                }
+                bucket.unregister();
+                start.elapsed()
+            })
+        };
+        while bucket.registered() == 0 {
+            std::thread::yield_now();
+        }
+        done.store(1, Ordering::Release);
+        if nudge {
+            bucket.nudge();
+        } else {
+            bucket.notify();
+        }
+        let slept = sleeper.join().unwrap();
+        assert!(
+            slept < Duration::from_secs(30),
+            "nudge {nudge}: the sleeper waited out its timeout ({slept:?})"
+        );
+    }
+}
+
+/// The never-evict flag is set only on the creation the reference names: not on a
+/// later generation's, and not once it is sealed.
+#[test]
+fn never_evict_is_set_only_on_the_creation_it_names() {
+    let h = HeapTable::new(64);
+    let t = h.get();
+    let id = ObjectId::of_key("kept");
+    let r = t.insert(&id, &e(0)).unwrap();
+    let stale = SlotRef {
+        index: r.index,
+        gen: r.gen.wrapping_add(1),
+    };
+    assert!(t.set_no_evict(stale).is_err());
+    t.set_no_evict(r).unwrap();
+    t.seal(&id, r).unwrap();
+    assert!(t.set_no_evict(r).is_err());
+}
+
+/// A sleeper nobody wakes sleeps its whole timeout, on the sequence it registered at;
+/// it counts as registered until it unregisters.
+#[test]
+fn a_sleeper_nobody_wakes_sleeps_its_timeout() {
+    let bucket = WaitBucket::default();
+    bucket.notify();
+    bucket.notify();
+    let seq = bucket.register();
+    assert_eq!((seq, bucket.sequence(), bucket.registered()), (2, 2, 1));
+    let start = Instant::now();
+    bucket.sleep(seq, Duration::from_millis(30));
+    assert!(start.elapsed() >= Duration::from_millis(30));
+    bucket.unregister();
+    assert_eq!(bucket.registered(), 0);
 }

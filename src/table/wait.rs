@@ -63,6 +63,12 @@ impl WaitBucket {
     pub(crate) fn unregister(&self) {
         self.waiters.fetch_sub(1, Ordering::AcqRel);
     }
+
+    /// How many sleepers are registered now (tests).
+    #[cfg(test)]
+    pub(crate) fn registered(&self) -> u32 {
+        self.waiters.load(Ordering::Acquire)
+    }
 }
 
 impl Table<'_> {
@@ -74,7 +80,7 @@ impl Table<'_> {
     /// How many getters sleep on `id`'s bucket now (tests: to act once a getter waits).
     #[cfg(test)]
     pub(crate) fn sleepers(&self, id: &ObjectId) -> u32 {
-        self.wait_bucket(id).waiters.load(Ordering::Acquire)
+        self.wait_bucket(id).registered()
     }
 
     /// Wakes getters sleeping on `id`'s bucket (no syscall when nobody sleeps).
