@@ -345,15 +345,21 @@ fn a_new_process_takes_over_a_dead_clients_slot_when_none_is_free() {
     again.check_invariants().unwrap();
 }
 
-#[test]
-fn a_store_can_remove_itself_when_its_last_client_leaves() {
+/// A store that removes itself when unused, and a child process attached to it.
+fn self_removing_store_and_a_child(tag: &str) -> (Store, Cleanup, Proc) {
     let cfg = StoreConfig {
         remove_when_unused: true,
         ..StoreConfig::with_capacity(1 << 20)
     };
-    let (store, c) = new_store("autoremove", cfg);
+    let (store, c) = new_store(tag, cfg);
     let mut p = child("attach", &store, &[]);
     assert_eq!(p.recv(), "attached");
+    (store, c, p)
+}
+
+#[test]
+fn a_store_can_remove_itself_when_its_last_client_leaves() {
+    let (store, c, p) = self_removing_store_and_a_child("autoremove");
     drop(store);
     assert!(c.0.exists(), "another client is still attached");
     kill(p);
@@ -368,13 +374,7 @@ fn a_store_can_remove_itself_when_its_last_client_leaves() {
 /// one first.
 #[test]
 fn a_self_removing_store_goes_with_its_last_live_client_though_a_dead_one_was_never_recovered() {
-    let cfg = StoreConfig {
-        remove_when_unused: true,
-        ..StoreConfig::with_capacity(1 << 20)
-    };
-    let (store, c) = new_store("autoremove-dead", cfg);
-    let mut p = child("attach", &store, &[]);
-    assert_eq!(p.recv(), "attached");
+    let (store, c, p) = self_removing_store_and_a_child("autoremove-dead");
     kill(p);
     assert_eq!(store.stats().dead_clients, 1);
     drop(store);

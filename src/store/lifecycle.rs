@@ -470,15 +470,21 @@ mod tests {
     /// The creator populates the heap's first 33 chunks of 2 MiB (a 64 MiB object and
     /// its header) before `create` returns, and no more: the rest is the background
     /// thread's.
-    #[test]
-    fn the_creator_populates_the_head_of_the_heap_and_no_more() {
+    /// An anonymous store of 96 MiB on small pages, not prefaulted, populated in the
+    /// background or not.
+    fn store_of_96_mib(populate_in_background: bool) -> Store {
         let cfg = StoreConfig {
             prefault: false,
-            populate_in_background: false,
+            populate_in_background,
             huge_pages: HugePages::Off,
             ..StoreConfig::with_capacity(96 << 20)
         };
-        let s = Store::create_anonymous(&cfg).unwrap();
+        Store::create_anonymous(&cfg).unwrap()
+    }
+
+    #[test]
+    fn the_creator_populates_the_head_of_the_heap_and_no_more() {
+        let s = store_of_96_mib(false);
         let chunks = (96 << 20) / attachment::POPULATE_CHUNK;
         assert!((0..chunks).all(|c| !s.inner.chunk_populated(c)));
         let (heap, _) = s.inner.heap_region();
@@ -498,13 +504,7 @@ mod tests {
     #[test]
     fn the_background_population_reaches_the_end_of_the_heap() {
         use std::time::{Duration, Instant};
-        let cfg = StoreConfig {
-            prefault: false,
-            populate_in_background: true,
-            huge_pages: HugePages::Off,
-            ..StoreConfig::with_capacity(96 << 20)
-        };
-        let s = Store::create_anonymous(&cfg).unwrap();
+        let s = store_of_96_mib(true);
         let deadline = Instant::now() + Duration::from_secs(60);
         while !s.inner.population_finished() {
             assert!(Instant::now() < deadline, "the population never ended");
