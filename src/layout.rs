@@ -36,7 +36,7 @@ use std::path::Path;
 /// Magic bytes at offset 0.
 pub(crate) const MAGIC: [u8; 8] = *b"SHMSTORE";
 /// Layout version; bump on any incompatible change.
-pub(crate) const LAYOUT_VERSION: u32 = 6;
+pub(crate) const LAYOUT_VERSION: u32 = 7;
 /// Heap page size: large objects are page-aligned runs of these.
 pub(crate) const PAGE: u64 = 4096;
 /// Slab unit: small objects live in 64 KiB slabs aligned to 64 KiB.
@@ -315,34 +315,6 @@ mod tests {
     }
 
     #[test]
-    fn sections_are_ordered_aligned_and_disjoint() {
-        let l = params().layout().unwrap();
-        let sections = [
-            (l.globals_offset, GLOBALS_SIZE),
-            (l.wait_offset, WAIT_BUCKETS * 64),
-            (l.hints_offset, HINTS * 64),
-            (l.page_bitmap_offset, l.pages.div_ceil(64) * 8),
-            (l.page_summary_offset, summary_words(l.pages) * 8),
-            (l.page_owners_offset, l.pages * 4),
-            (l.slab_desc_offset, l.slabs * SLAB_DESC_SIZE),
-            (l.partial_offset, CLASSES * l.partial_words * 8),
-            (l.buckets_offset, l.table_slots * 8),
-            (l.slots_offset, l.table_slots * 64),
-            (l.pins_offset, l.table_slots * l.pin_stride * 2),
-            (l.clients_offset, l.max_clients * l.client_stride),
-            (l.heap_offset, l.heap_size),
-        ];
-        let mut end = 256;
-        for (off, len) in sections {
-            assert!(off >= end, "overlap at {off}");
-            assert_eq!(off % 64, 0);
-            end = off + len;
-        }
-        assert_eq!(l.heap_offset % SLAB, 0);
-        assert_eq!(end, l.total_size);
-    }
-
-    #[test]
     fn validate_rejects_tampering() {
         let mut sb = params().layout().unwrap();
         sb.checksum = sb.compute_checksum();
@@ -394,5 +366,205 @@ mod tests {
         let mut p = params();
         p.heap_size = 100;
         assert!(p.layout().is_err());
+    }
+
+    /// Each bound of [`Params::check`] at its edge and one step past it, with the other two
+    /// parameters in range, so that every refusal is that bound's own.
+    #[test]
+    fn each_parameter_is_accepted_up_to_its_bound_and_refused_past_it() {
+        let with = |heap_size: u64, table_slots: u64, max_clients: u64| Params {
+            heap_size,
+            table_slots,
+            max_clients,
+        };
+        let (heap, slots, clients) = (1 << 24, 1024, 8);
+        let accepted = [
+            with(SLAB, slots, clients),
+            with(1 << 46, slots, clients),
+            with(heap, NEIGHBORHOOD, clients),
+            with(heap, 1 << 31, clients),
+            with(heap, slots, 1),
+            with(heap, slots, 4096),
+            // Every bound at once: the layout's arithmetic must not overflow.
+            with(1 << 46, 1 << 31, 4096),
+        ];
+        for p in accepted {
+            let l = p.layout().unwrap_or_else(|e| panic!("{p:?} refused: {e}"));
+            assert_eq!(l.params(), p);
+        }
+        let refused = [
+            (with(0, slots, clients), "capacity 0 must"),
+            (with(SLAB - PAGE, slots, clients), "capacity 61440 must"),
+            (with(SLAB + PAGE, slots, clients), "capacity 69632 must"),
+            (
+                with((1 << 46) + SLAB, slots, clients),
+                "capacity 70368744243200 must",
+            ),
+            (with(heap, NEIGHBORHOOD / 2, clients), "table slots 16 must"),
+            (with(heap, 1 << 32, clients), "table slots 4294967296 must"),
+            (with(heap, 0, clients), "table slots 0 must"),
+            (
+                with(heap, slots + NEIGHBORHOOD, clients),
+                "table slots 1056 must",
+            ),
+            (with(heap, slots, 0), "max_clients 0 must"),
+            (with(heap, slots, 4097), "max_clients 4097 must"),
+        ];
+        for (p, says) in refused {
+            match p.layout() {
+                Err(Error::InvalidConfig { reason }) => {
+                    assert!(reason.starts_with(says), "{p:?}: {reason}")
+                }
+                other => panic!("{p:?} must be refused, got {other:?}"),
+            }
+        }
+    }
+
+    /// Sections never overlap, whatever the parameters: the smallest and largest of each,
+    /// heaps on either side of the 2 MiB alignment rule, and many clients (whose section
+    /// is the last before the heap, so only alignment slack lies between them).
+    #[test]
+    fn sections_are_disjoint_for_every_shape_of_store() {
+        for heap_size in [
+            SLAB,
+            HUGE_ALIGN_FROM - SLAB,
+            HUGE_ALIGN_FROM,
+            1 << 30,
+            1 << 46,
+        ] {
+            for table_slots in [NEIGHBORHOOD, 1024, 1 << 20, 1 << 31] {
+                for max_clients in [1, 33, 4096] {
+                    let p = Params {
+                        heap_size,
+                        table_slots,
+                        max_clients,
+                    };
+                    let l = p.layout().unwrap();
+                    let mut sections = [
+                        (l.globals_offset, GLOBALS_SIZE),
+                        (l.wait_offset, WAIT_BUCKETS * 64),
+                        (l.hints_offset, HINTS * 64),
+                        (l.page_bitmap_offset, l.pages.div_ceil(64) * 8),
+                        (l.page_summary_offset, summary_words(l.pages) * 8),
+                        (l.page_owners_offset, l.pages * 4),
+                        (l.slab_desc_offset, l.slabs * SLAB_DESC_SIZE),
+                        (l.partial_offset, CLASSES * l.partial_words * 8),
+                        (l.buckets_offset, table_slots * 8),
+                        (l.slots_offset, table_slots * 64),
+                        (l.pins_offset, table_slots * l.pin_stride * 2),
+                        (l.clients_offset, max_clients * CLIENT_HEADER),
+                        (l.heap_offset, heap_size),
+                    ];
+                    sections.sort();
+                    let mut end = PAGE;
+                    for (off, len) in sections {
+                        assert!(
+                            off >= end,
+                            "{p:?}: section at {off} overlaps one ending at {end}"
+                        );
+                        assert_eq!(off % 64, 0, "{p:?}: a section starts mid cache line");
+                        end = off + len;
+                    }
+                    assert_eq!(end, l.total_size, "{p:?}");
+                    assert!(l.pin_stride >= max_clients, "{p:?}: a pin row per client");
+                    let align = if heap_size >= HUGE_ALIGN_FROM {
+                        2 << 20
+                    } else {
+                        SLAB
+                    };
+                    assert_eq!(l.heap_offset % align, 0, "{p:?}");
+                }
+            }
+        }
+    }
+
+    /// The layout is the file format: a store made by one build is opened by another build
+    /// of the same `LAYOUT_VERSION`, so the same parameters must give the same offsets and
+    /// checksum in every build. If a change moves any of these numbers, it is an
+    /// incompatible change: bump `LAYOUT_VERSION`, and then update them.
+    #[test]
+    fn the_layout_of_this_version_does_not_change() {
+        let frozen = |p: Params, offsets: [u64; 14], total_size: u64, checksum: u64| {
+            let mut l = p.layout().unwrap();
+            l.checksum = l.compute_checksum();
+            let got = [
+                l.globals_offset,
+                l.wait_offset,
+                l.hints_offset,
+                l.page_bitmap_offset,
+                l.page_summary_offset,
+                l.page_owners_offset,
+                l.slab_desc_offset,
+                l.partial_offset,
+                l.buckets_offset,
+                l.slots_offset,
+                l.pins_offset,
+                l.clients_offset,
+                l.heap_offset,
+                l.pin_stride,
+            ];
+            assert_eq!(got, offsets, "{p:?}");
+            assert_eq!(l.total_size, total_size, "{p:?}");
+            assert_eq!(l.checksum, checksum, "{p:?}");
+            assert_eq!(LAYOUT_VERSION, 7);
+        };
+        frozen(
+            params(),
+            [
+                4096, 4608, 20992, 23232, 23744, 23808, 40192, 75008, 76032, 84224, 149760, 215296,
+                2097152, 32,
+            ],
+            18874368,
+            15031520921986134105,
+        );
+        // The smallest store: its heap follows the sections on a 64 KiB boundary, so the
+        // whole file is 128 KiB.
+        frozen(
+            Params {
+                heap_size: SLAB,
+                table_slots: NEIGHBORHOOD,
+                max_clients: 1,
+            },
+            [
+                4096, 4608, 20992, 23232, 23296, 23360, 23424, 23616, 23872, 24128, 26176, 28224,
+                65536, 32,
+            ],
+            131072,
+            5793638869628457085,
+        );
+    }
+
+    /// The checksum covers every byte before it: changing any one of them (past the magic
+    /// and version, which have their own errors) is refused as a checksum mismatch, even
+    /// where the change is one the layout check alone would let through (creation time,
+    /// flags, reserved words).
+    #[test]
+    fn a_change_to_any_checksummed_byte_is_refused_as_a_checksum_mismatch() {
+        let mut sb = params().layout().unwrap();
+        sb.created_unix_ns = 1_700_000_000_000_000_000;
+        sb.flags = FLAG_EVICT;
+        sb.checksum = sb.compute_checksum();
+        let ok = bytemuck::bytes_of(&sb).to_vec();
+        let p = Path::new("/x");
+        assert!(Superblock::validate(&ok, sb.total_size, p).is_ok());
+        for at in 12..248 {
+            let mut bad = ok.clone();
+            bad[at] ^= 0x10;
+            match Superblock::validate(&bad, u64::MAX, p) {
+                Err(Error::Corrupted { what }) => {
+                    assert!(what.contains("checksum mismatch"), "byte {at}: {what}")
+                }
+                other => panic!("byte {at} changed: {other:?}"),
+            }
+        }
+        // The same holds for a change the writer made and signed: a new flag bit is
+        // refused by the flags check, not let through.
+        let mut unknown_flag = sb;
+        unknown_flag.flags |= 4;
+        unknown_flag.checksum = unknown_flag.compute_checksum();
+        assert!(matches!(
+            Superblock::validate(bytemuck::bytes_of(&unknown_flag), sb.total_size, p),
+            Err(Error::Corrupted { .. })
+        ));
     }
 }

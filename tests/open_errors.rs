@@ -61,12 +61,12 @@ fn wrong_version_is_version_mismatch() {
     drop(s);
     let mut f = std::fs::OpenOptions::new().write(true).open(&c.0).unwrap();
     f.seek(SeekFrom::Start(8)).unwrap();
-    f.write_all(&7u32.to_le_bytes()).unwrap();
+    f.write_all(&99u32.to_le_bytes()).unwrap();
     match Store::open_path(&c.0) {
         Err(
             e @ Error::VersionMismatch {
-                found: 7,
-                supported: 6,
+                found: 99,
+                supported: 7,
                 ..
             },
         ) => {
