@@ -243,6 +243,21 @@ mod tests {
         }
     }
 
+    /// An id's home is part of the file format (a store made by one build is read by
+    /// another), so `mix` must give the same value in every build of one layout version.
+    /// If this changes, bump `LAYOUT_VERSION`, then update the values.
+    #[test]
+    fn mix_of_this_layout_version_does_not_change() {
+        for (id, mixed) in [
+            (ObjectId::from_bytes([0; 32]), 0x54f0_b270_b71d_ae50),
+            (ObjectId::from_bytes([0xff; 32]), 0x5075_d0c2_05c7_b232),
+            (ObjectId::of_key("mm_hash:1234"), 0xf265_099b_7580_6d15),
+        ] {
+            assert_eq!(id.mix(), mixed, "{id}");
+        }
+        assert_eq!(crate::layout::LAYOUT_VERSION, 7);
+    }
+
     #[test]
     fn debug_and_parse_error_say_what_they_are() {
         let id = ObjectId::of_key("k");
