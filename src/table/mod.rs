@@ -48,13 +48,17 @@
 //! [`wait`].
 
 mod evict;
+mod slot;
 mod wait;
 
+pub(crate) use slot::{
+    Ctl, Entry, Slot, CREATING, DELETED, EVICTING, FREE, FREEING, INFO_NO_EVICT, INFO_REFERENCED,
+    RESERVED, SEALED,
+};
 pub(crate) use wait::WaitBucket;
 
-use crate::alloc::{Block, BlockKind, CLASS_SIZES};
 use crate::error::{Error, Result};
-use crate::layout::{MAX_META, NEIGHBORHOOD, PAGE, WAIT_BUCKETS};
+use crate::layout::{NEIGHBORHOOD, WAIT_BUCKETS};
 
 /// Slots per bin: a neighbourhood is two bins.
 const BIN: u64 = NEIGHBORHOOD / 2;
@@ -66,15 +70,6 @@ const BIN: u64 = NEIGHBORHOOD / 2;
 const ROOM_TO_SPARE: u32 = 8;
 use crate::sync::{fence, AtomicU16, AtomicU64, Ordering};
 use crate::ObjectId;
-
-/// Slot states (low 3 bits of `ctl`).
-pub(crate) const FREE: u64 = 0;
-pub(crate) const RESERVED: u64 = 1;
-pub(crate) const CREATING: u64 = 2;
-pub(crate) const SEALED: u64 = 3;
-pub(crate) const DELETED: u64 = 4;
-pub(crate) const EVICTING: u64 = 5;
-pub(crate) const FREEING: u64 = 6;
 
 /// Most pins one process may hold on one object (its counter is 16 bits; the margin
 /// leaves room for threads that raise it at the same instant).
@@ -107,147 +102,6 @@ fn dekker_fence() {
 fn next_version(b: u64) -> u64 {
     let bump = u64::from(!crate::sync::mutation("bucket_no_version"));
     ((b >> 32).wrapping_add(bump)) << 32
-}
-
-/// `ctl` word helpers: `gen << 32 | owner << 3 | state`, `owner` = client index + 1 in
-/// RESERVED and FREEING; in DELETED a never-sealed flag (bit 28 of the field: an
-/// aborted creation) and a tag that adoptions move on ([`Ctl::retagged`]); 0 otherwise.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) struct Ctl(pub u64);
-
-/// The 29-bit middle field of a `ctl` word.
-const OWNER_MASK: u64 = (1 << 29) - 1;
-/// In a DELETED word's middle field: the entry was never sealed (an aborted creation).
-/// Draining lookups skip it ([`Table::pin_draining`]).
-const NEVER_SEALED: u64 = 1 << 28;
-/// The rest of a DELETED word's middle field: the adoption tag.
-const TAG_MASK: u64 = NEVER_SEALED - 1;
-
-impl Ctl {
-    pub(crate) fn new(state: u64, owner: Option<u16>, gen: u32) -> Self {
-        let o = owner.map_or(0, |c| c as u64 + 1);
-        Ctl((gen as u64) << 32 | o << 3 | state)
-    }
-    pub(crate) fn state(self) -> u64 {
-        self.0 & 7
-    }
-    /// The client in the middle of changing this slot (RESERVED or FREEING).
-    pub(crate) fn owner(self) -> Option<u64> {
-        let o = (self.0 >> 3) & OWNER_MASK;
-        o.checked_sub(1)
-    }
-    /// The same word with DELETED's tag moved on by one, wrapping: what an adoption
-    /// writes so that a freer's CAS on the word it read fails ([`Table::repin`]). State,
-    /// generation and the never-sealed flag are unchanged.
-    pub(crate) fn retagged(self) -> Ctl {
-        let tag = ((self.0 >> 3) + 1) & TAG_MASK;
-        Ctl(self.0 & !(TAG_MASK << 3) | tag << 3)
-    }
-    /// The DELETED word of an entry at `gen`; `sealed`: whether it ever was (a delete or
-    /// an eviction), or not (an abort).
-    fn deleted(gen: u32, sealed: bool) -> Ctl {
-        let c = Ctl::new(DELETED, None, gen);
-        if sealed {
-            c
-        } else {
-            Ctl(c.0 | NEVER_SEALED << 3)
-        }
-    }
-    /// In a DELETED word: the entry was never sealed (an aborted creation).
-    pub(crate) fn never_sealed(self) -> bool {
-        (self.0 >> 3) & NEVER_SEALED != 0
-    }
-    pub(crate) fn gen(self) -> u32 {
-        (self.0 >> 32) as u32
-    }
-    /// Found by lookups: being created or readable.
-    fn live(self) -> bool {
-        matches!(self.state(), CREATING | SEALED | EVICTING)
-    }
-    /// Readable (EVICTING is SEALED with an eviction attempt in flight).
-    pub(crate) fn sealed(self) -> bool {
-        matches!(self.state(), SEALED | EVICTING)
-    }
-}
-
-/// One table entry (one cache line).
-#[repr(C, align(64))]
-#[derive(Default)]
-pub(crate) struct Slot {
-    ctl: AtomicU64,
-    id: [AtomicU64; 4],
-    offset: AtomicU64,
-    len: AtomicU64,
-    info: AtomicU64,
-}
-
-const _: () = assert!(std::mem::size_of::<Slot>() == 64);
-
-/// `info` flag: the object was used since the clock hand last passed (CLOCK's second chance).
-pub(crate) const INFO_REFERENCED: u64 = 1 << 40;
-/// `info` flag: never evict this object.
-pub(crate) const INFO_NO_EVICT: u64 = 1 << 41;
-
-/// What a slot says about the block it owns. Untrusted: validated by the store before use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub(crate) struct Entry {
-    /// Heap offset of the block.
-    pub offset: u64,
-    /// Payload length.
-    pub len: u64,
-    /// Metadata length (stored before the payload, padded to 64).
-    pub meta_len: u16,
-    /// Allocator block kind, encoded.
-    pub kind: u8,
-    /// Client slot of the creator.
-    pub creator: u16,
-}
-
-impl Entry {
-    /// Validates an entry read from shared memory against a heap of `heap_size` bytes and
-    /// returns its block and the padded metadata length. Pure arithmetic, all checked.
-    pub(crate) fn block(&self, heap_size: u64) -> Result<(Block, u64)> {
-        let bad = || Error::Corrupted {
-            what: format!("table entry {self:?} does not describe a block in the heap"),
-        };
-        let kind = BlockKind::decode(self.kind).ok_or_else(bad)?;
-        if self.meta_len as u64 > MAX_META || self.offset % 64 != 0 {
-            return Err(bad());
-        }
-        let meta_pad = (self.meta_len as u64).div_ceil(64) * 64;
-        let need = meta_pad.checked_add(self.len).ok_or_else(bad)?.max(1);
-        let size = match kind {
-            BlockKind::Pages => need.div_ceil(PAGE).checked_mul(PAGE).ok_or_else(bad)?,
-            BlockKind::Slab(c) => CLASS_SIZES[c as usize],
-        };
-        if need > size
-            || self
-                .offset
-                .checked_add(size)
-                .is_none_or(|end| end > heap_size)
-        {
-            return Err(bad());
-        }
-        let block = Block {
-            offset: self.offset,
-            size,
-            kind,
-        };
-        Ok((block, meta_pad))
-    }
-
-    fn info(&self) -> u64 {
-        self.meta_len as u64 | (self.kind as u64) << 16 | (self.creator as u64) << 24
-    }
-    pub(crate) fn from_parts(offset: u64, len: u64, info: u64) -> Self {
-        Entry {
-            offset,
-            len,
-            meta_len: info as u16,
-            kind: (info >> 16) as u8,
-            creator: (info >> 24) as u16,
-        }
-    }
 }
 
 /// A slot at a given generation: what handles hold.
@@ -1118,93 +972,7 @@ impl<'a> Table<'a> {
 
 /// A table over sections on the heap: for unit tests, miri and loom.
 #[cfg(any(test, loom))]
-pub(crate) mod testing {
-    use super::*;
-
-    /// Pin counters per slot in heap tables (clients 0..32).
-    pub(crate) const HEAP_STRIDE: usize = 32;
-
-    /// Owns the sections a [`Table`] borrows, and records the blocks it frees.
-    pub(crate) struct HeapTable {
-        pub slots: Vec<Slot>,
-        pub buckets: Vec<AtomicU64>,
-        pub waits: Vec<WaitBucket>,
-        pub pins: Vec<AtomicU16>,
-        freed: std::sync::Mutex<Vec<(SlotRef, Entry)>>,
-        /// Written by every free, as the allocator's next owner of the block would: a
-        /// reader that reads it while pinned races with that write unless the pin really
-        /// kept the block (loom reports the race).
-        pub poison: crate::sync::UnsafeCell<u64>,
-    }
-
-    // SAFETY: everything but `poison` is atomics. `poison` is written only by `reclaim`,
-    // which the table calls once per freed slot, and read only by holders of a pin; the
-    // protocol under test orders the two (loom checks exactly that).
-    unsafe impl Sync for HeapTable {}
-
-    impl Reclaimer for HeapTable {
-        fn reclaim(&self, table: &Table<'_>, r: SlotRef, e: Entry) {
-            // SAFETY: loom checks this write against readers holding pins.
-            self.poison.with_mut(|p| unsafe { *p += 1 });
-            self.freed.lock().unwrap().push((r, e));
-            table.release(r);
-        }
-    }
-
-    impl HeapTable {
-        /// An empty table of `n` slots (a power of two >= 32).
-        pub(crate) fn new(n: usize) -> Self {
-            HeapTable {
-                slots: (0..n).map(|_| Slot::default()).collect(),
-                buckets: (0..n).map(|_| AtomicU64::new(0)).collect(),
-                waits: (0..WAIT_BUCKETS).map(|_| WaitBucket::default()).collect(),
-                pins: (0..n * HEAP_STRIDE).map(|_| AtomicU16::new(0)).collect(),
-                freed: Default::default(),
-                poison: crate::sync::UnsafeCell::new(0),
-            }
-        }
-
-        /// Borrows it as a [`Table`] for client 0.
-        pub(crate) fn get(&self) -> Table<'_> {
-            self.as_client(0)
-        }
-
-        /// Borrows it as a [`Table`] for client `me` (< 32).
-        pub(crate) fn as_client(&self, me: u16) -> Table<'_> {
-            let sections = Sections {
-                slots: &self.slots,
-                buckets: &self.buckets,
-                waits: &self.waits,
-                pins: &self.pins,
-                stride: HEAP_STRIDE,
-            };
-            Table::new(sections, me, self)
-        }
-
-        /// Writes slot `i`'s control word as a process stopped mid-step would leave it.
-        pub(crate) fn set_ctl(&self, i: usize, c: Ctl) {
-            self.slots[i].ctl.store(c.0, Ordering::SeqCst);
-        }
-
-        /// The blocks freed so far (each slot was released to FREE after its push).
-        pub(crate) fn freed(&self) -> Vec<(SlotRef, Entry)> {
-            self.freed.lock().unwrap().clone()
-        }
-
-        /// Writes the poison cell as the next owner of a freed slot (or block) would.
-        #[cfg(loom)]
-        pub(crate) fn touch_as_new_owner(&self) {
-            // SAFETY: loom checks this write against the previous owner's free.
-            self.poison.with_mut(|p| unsafe { *p += 1 });
-        }
-
-        /// Reads the poison cell: call only while holding a pin; it must still be 0.
-        pub(crate) fn read_while_pinned(&self) -> u64 {
-            // SAFETY: loom checks this read against frees.
-            self.poison.with(|p| unsafe { *p })
-        }
-    }
-}
+pub(crate) mod testing;
 
 #[cfg(all(test, not(loom)))]
 mod tests;

@@ -1,8 +1,11 @@
 //! Unit tests of the object table: neighbourhoods and bins, the slot life cycle, pins
 //! of live and dead clients, and eviction against pins.
 
+use super::slot::TAG_MASK;
 use super::testing::HeapTable;
 use super::*;
+use crate::alloc::{BlockKind, CLASS_SIZES};
+use crate::layout::{MAX_META, PAGE};
 use std::time::{Duration, Instant};
 
 fn e(offset: u64) -> Entry {
