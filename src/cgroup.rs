@@ -37,6 +37,14 @@ pub(crate) struct MemoryRoom {
     pub available: u64,
 }
 
+impl MemoryRoom {
+    /// Whether `needed` bytes can still be charged: a store that fills the room exactly
+    /// fits.
+    pub(crate) fn fits(&self, needed: u64) -> bool {
+        needed <= self.available
+    }
+}
+
 /// Which cgroup interface holds the memory controller.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Version {
@@ -54,7 +62,7 @@ const V1_UNLIMITED: u64 = 1 << 62;
 /// file to read, and a store that fits needs no answer.)
 pub(crate) fn memory_shortfall(needed: u64) -> Option<MemoryRoom> {
     let (dir, mount, version) = memory_cgroup()?;
-    let room = room_from(&dir, &mount, version).filter(|r| r.available < needed)?;
+    let room = room_from(&dir, &mount, version).filter(|r| !r.fits(needed))?;
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     (swap_total(&meminfo)? == 0).then_some(room)
 }
@@ -274,6 +282,57 @@ mod tests {
         assert_eq!(memory_cgroup_in("0::/mine\n", mounts), None);
         assert_eq!(swap_total("MemTotal: 1 kB\n"), None);
         assert_eq!(swap_total("SwapTotal:  2 kB\n"), Some(2048));
+    }
+
+    #[test]
+    fn digits_in_a_mount_point_are_not_an_escape() {
+        // Only a backslash and three octal digits are an escape: a path with digits of
+        // its own, or a backslash before fewer than three, stays as it is.
+        let mounts = "40 30 0:35 / /mnt/cg123/v2\\04 rw - cgroup2 cgroup2 rw\n";
+        let (dir, mount, _) = memory_cgroup_in("0::/a777\n", mounts).unwrap();
+        assert_eq!(mount, Path::new("/mnt/cg123/v2\\04"));
+        assert_eq!(dir, Path::new("/mnt/cg123/v2\\04/a777"));
+        assert_eq!(unescape("\\134\\011x\\08"), "\\\tx\\08");
+    }
+
+    #[test]
+    fn a_store_that_fills_the_room_exactly_fits() {
+        let room = MemoryRoom {
+            cgroup: PathBuf::from("/sys/fs/cgroup/x"),
+            limit: 1 << 30,
+            available: 256 << 20,
+        };
+        assert!(room.fits(0));
+        assert!(room.fits(256 << 20));
+        assert!(!room.fits((256 << 20) + 1));
+    }
+
+    /// This process's own cgroup is found where the machine mounts cgroups, and it is the
+    /// one the kernel lists this process in. (Skipped where no cgroup file system is
+    /// mounted, as in some containers.)
+    #[test]
+    fn this_process_finds_the_memory_cgroup_it_is_in() {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
+        if !mountinfo.lines().any(|l| {
+            l.contains(" - cgroup2 ") || (l.contains(" - cgroup ") && l.contains("memory"))
+        }) {
+            eprintln!("skipped: no memory cgroup hierarchy is mounted here");
+            return;
+        }
+        let (dir, mount, _) = memory_cgroup().expect("the memory cgroup of this process");
+        assert!(
+            dir.starts_with(&mount),
+            "{} under {}",
+            dir.display(),
+            mount.display()
+        );
+        let procs = fs::read_to_string(dir.join("cgroup.procs")).unwrap();
+        let me = std::process::id().to_string();
+        assert!(
+            procs.lines().any(|p| p == me),
+            "pid {me} not in {}/cgroup.procs",
+            dir.display()
+        );
     }
 
     fn write(dir: &Path, files: &[(&str, &str)]) {
