@@ -405,6 +405,49 @@ mod tests {
         );
         let r = room_from(&c, &root, Version::V1).unwrap();
         assert_eq!((r.limit, r.available), (512 << 20, (256 << 20) + (1 << 20)));
+        // v1's "unlimited" at every level: no limit at all.
+        write(&c, &[("memory.limit_in_bytes", "9223372036854771712\n")]);
+        assert_eq!(room_from(&c, &root, Version::V1), None);
+        // A 2^62-byte limit is a limit in v2, where "max" says unlimited.
+        write(
+            &c,
+            &[
+                ("memory.max", "4611686018427387904\n"),
+                ("memory.current", "0\n"),
+            ],
+        );
+        fs::remove_file(pod.join("memory.max")).unwrap();
+        assert_eq!(room_from(&c, &root, Version::V2).unwrap().limit, 1 << 62);
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// The tightest level is the one with the least room, wherever it is: a looser limit
+    /// below a tighter one does not hide it, and on a tie the nearest level is named.
+    #[test]
+    fn the_level_with_least_room_wins_wherever_it_is() {
+        let root = std::env::temp_dir().join(format!("shmstore-cgroup-l-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let pod = root.join("pod");
+        let c = pod.join("c");
+        write(
+            &pod,
+            &[
+                ("memory.max", "1073741824\n"),
+                ("memory.current", "805306368\n"),
+            ],
+        );
+        write(
+            &c,
+            &[("memory.max", "2147483648\n"), ("memory.current", "0\n")],
+        );
+        let r = room_from(&c, &root, Version::V2).unwrap();
+        assert_eq!(
+            (r.cgroup.as_path(), r.available),
+            (pod.as_path(), 256 << 20)
+        );
+        write(&c, &[("memory.max", "268435456\n")]);
+        let r = room_from(&c, &root, Version::V2).unwrap();
+        assert_eq!((r.cgroup.as_path(), r.available), (c.as_path(), 256 << 20));
         fs::remove_dir_all(&root).unwrap();
     }
 }

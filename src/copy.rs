@@ -39,6 +39,24 @@ pub(crate) fn copy_into_object(dst: &mut [u8], src: &[u8]) {
         return;
     }
     dst.copy_from_slice(src);
+    written(src.len(), 0);
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Bytes this thread's copies wrote with ordinary and with streaming stores.
+    static WRITTEN: std::cell::Cell<[usize; 2]> = const { std::cell::Cell::new([0; 2]) };
+}
+
+/// Counts bytes written by ordinary and by streaming stores (tests only: a byte written
+/// twice, or a large copy not streamed, leaves the result right and costs only time).
+#[inline(always)]
+fn written(_ordinary: usize, _streamed: usize) {
+    #[cfg(test)]
+    WRITTEN.with(|w| {
+        let [o, s] = w.get();
+        w.set([o + _ordinary, s + _streamed]);
+    });
 }
 
 #[cfg(all(target_arch = "x86_64", not(miri)))]
@@ -74,6 +92,7 @@ fn stream(dst: &mut [u8], src: &[u8]) {
         }
     }
     dst[body..].copy_from_slice(&src[body..]);
+    written(head + (dst.len() - body), body - head);
     // Orders the streamed stores before every later store of this thread, the seal's
     // release store included (module invariants).
     // SAFETY: SSE is part of the x86-64 baseline; the fence has no memory operands.
@@ -132,6 +151,43 @@ mod tests {
         let mut dst = vec![0u8; 1000];
         copy_into_object(&mut dst, &src);
         assert_eq!(dst, src);
+    }
+
+    /// What each copy wrote, by kind of store: `[ordinary, streamed]`.
+    fn stores_of(dst: &mut [u8], src: &[u8]) -> [usize; 2] {
+        WRITTEN.with(|w| w.set([0; 2]));
+        copy_into_object(dst, src);
+        WRITTEN.with(|w| w.get())
+    }
+
+    /// Each byte is written once, and every whole destination line of a copy of
+    /// [`STREAM_FROM`] bytes or more is streamed: the head before the first line boundary
+    /// and the tail after the last whole line are the only ordinary stores. Smaller copies
+    /// are ordinary throughout.
+    #[test]
+    fn large_copies_stream_every_whole_line_once_and_small_ones_none() {
+        let mut buf = vec![0u8; STREAM_FROM + 3 * 64];
+        let base = buf.as_ptr().align_offset(64);
+        for (offset, len) in [
+            (0, STREAM_FROM),
+            (5, STREAM_FROM + 100),
+            (63, STREAM_FROM + 1),
+        ] {
+            let src = pattern(len, 3);
+            let dst = &mut buf[base + offset..base + offset + len];
+            let head = (64 - offset) % 64;
+            let lines = (len - head) / 64;
+            let expected = if cfg!(all(target_arch = "x86_64", not(miri))) {
+                [len - lines * 64, lines * 64]
+            } else {
+                [len, 0]
+            };
+            assert_eq!(stores_of(dst, &src), expected, "offset {offset}, len {len}");
+            assert_eq!(&buf[base + offset..base + offset + len], &src[..]);
+        }
+        let src = pattern(STREAM_FROM - 1, 4);
+        let mut dst = vec![0u8; STREAM_FROM - 1];
+        assert_eq!(stores_of(&mut dst, &src), [STREAM_FROM - 1, 0]);
     }
 
     #[test]
