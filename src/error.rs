@@ -401,5 +401,30 @@ mod tests {
         }
         .to_string();
         assert!(full.contains("2.0 KiB requested"), "{full}");
+        assert!(
+            full.contains("1.0 KiB free") && full.contains("512 B"),
+            "{full}"
+        );
+    }
+
+    /// An I/O failure keeps the OS error as its source, for callers that walk the chain
+    /// (anyhow, `?` into `Box<dyn Error>`); other variants have none.
+    #[test]
+    fn an_io_error_keeps_the_os_error_as_its_source() {
+        use std::error::Error as _;
+        let e = Error::Io {
+            op: "open",
+            path: PathBuf::from("/dev/shm/x"),
+            source: io::Error::from_raw_os_error(libc::EACCES),
+        };
+        let source = e.source().expect("the OS error");
+        let os = source.downcast_ref::<io::Error>().expect("an io::Error");
+        assert_eq!(os.raw_os_error(), Some(libc::EACCES));
+        let full = Error::Full {
+            requested: 1,
+            free: 0,
+            largest_free: 0,
+        };
+        assert!(full.source().is_none());
     }
 }

@@ -920,6 +920,20 @@ fn every_kill_point(op: Op) {
             pairs += m;
         }
     }
+    // The count is every kill point: a run armed one past it finishes. Should the
+    // counting run have skipped a wake (above), the one past it can die at a point the
+    // count missed; then a second count must find more (with the count a constant, it
+    // would not, and the kills above would have left points untried).
+    if run(op, Some(n + 1), None, false).0.is_none() {
+        let again = run(op, None, None, false)
+            .0
+            .expect("the counting run finishes");
+        assert!(
+            again > n,
+            "{op:?}: a run armed at kill point {} died, past the {n} counted",
+            n + 1
+        );
+    }
     if nested {
         eprintln!("{op:?}: killed the recoverer at each of its kill points after each death: {pairs} runs");
     }
