@@ -670,3 +670,23 @@ struct RecoverJson {
     bytes_reclaimed: u64,
     sweep_pending: bool,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::human;
+
+    #[test]
+    fn human_sizes_use_the_largest_unit_below_the_value_up_to_tib() {
+        assert_eq!(human(0), "0 B");
+        assert_eq!(human(1023), "1023 B");
+        assert_eq!(human(1024), "1.0 KiB");
+        assert_eq!(human(1536), "1.5 KiB");
+        assert_eq!(human((1 << 20) - 1), "1024.0 KiB");
+        assert_eq!(human(4 << 20), "4.0 MiB");
+        assert_eq!(human(100 << 30), "100.0 GiB");
+        assert_eq!(human(1 << 40), "1.0 TiB");
+        // TiB is the last unit: nothing past it, and no unit out of the table.
+        assert_eq!(human(1 << 50), "1024.0 TiB");
+        assert_eq!(human(u64::MAX), "16777216.0 TiB");
+    }
+}
