@@ -2,6 +2,9 @@
 # Mutation testing of one source file: scripts/mutants.sh FILE [JOBS [CARGO-MUTANTS ARGS...]]
 # e.g. scripts/mutants.sh src/table/mod.rs 2
 #      scripts/mutants.sh src/region/mod.rs 2 --re 'in check_name'   (only the mutants named so)
+#      scripts/mutants.sh python/shmstore/vllm/gate.py 1 --tests python/tests_vllm/test_vllm_items.py
+# A file of the Python package goes to scripts/mutants_py.py instead (one job; its own
+# arguments: --tests, --re, --list), run in python/.venv-vllm (scripts/vllm.sh makes it).
 # cargo-mutants changes the file one small way at a time (an operator, a return value, a
 # deleted `!`) and runs the tests that cover the core against each change; a "missed"
 # mutant is a change no test noticed. Not a CI stage: one file of the table's size takes
@@ -22,9 +25,16 @@ file=${1:?usage: scripts/mutants.sh FILE [JOBS]}
 jobs=${2:-1}
 shift $(($# < 2 ? $# : 2))
 shm_cap=${SHMSTORE_MUTANTS_SHM:-$((6 * jobs))G}
-command -v cargo-mutants >/dev/null || cargo install cargo-mutants --version 27.1.0 --locked
-out=target/mutants/$(echo "$file" | tr / _)
-mkdir -p "$out"
+case "$file" in
+  *.py)
+    [ "$jobs" = 1 ] || { echo "mutants.sh: a Python file runs one job at a time" >&2; exit 2; }
+    [ -x python/.venv-vllm/bin/python ] || scripts/vllm.sh
+    run=(python3 scripts/mutants_py.py "$file" "$@") ;;
+  *)
+    command -v cargo-mutants >/dev/null || cargo install cargo-mutants --version 27.1.0 --locked
+    out=target/mutants/$(echo "$file" | tr / _)
+    mkdir -p "$out" ;;
+esac
 # The unit tests and the integration tests that drive the table and the allocator in one
 # process or a few (not the chaos run, the kill points or the CLI: minutes per mutant), the
 # typed errors for foreign and undersized files, and the huge-page tests, with huge pages
@@ -35,7 +45,7 @@ SHMSTORE_HUGE_PAGES=$((64 * jobs)) scripts/hugepages.sh
 tests="--lib --test model --test recovery --test fork --test capacity --test multiprocess
   --test sizing --test open_errors --test huge_pages"
 # shellcheck disable=SC2086 # the test list is words
-run=(cargo mutants -f "$file" -o "$out" --test-tool cargo -j "$jobs" "$@" --
+[[ "$file" == *.py ]] || run=(cargo mutants -f "$file" -o "$out" --test-tool cargo -j "$jobs" "$@" --
   ${SHMSTORE_MUTANTS_TESTS:-$tests})
 inside="mount -t tmpfs -o size=$shm_cap shmstore-mutants /dev/shm && exec \"\$@\""
 for flags in -m -Urm; do

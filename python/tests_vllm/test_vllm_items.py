@@ -2,6 +2,9 @@
 zero-copy on the way back; the marker through vLLM's msgpack; the inline fallback."""
 
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -64,10 +67,14 @@ def test_field_parameters_slices_dims_and_keep_on_cpu_survive(store):
             ),
             "empty": MultiModalFieldElem(data=torch.empty(0, 5), field=MultiModalBatchedField()),
             "text": MultiModalFieldElem(data=["caption: ünïcode ✓", ""], field=MultiModalBatchedField()),
+            "flags": MultiModalFieldElem(data=[True, False, 0.25, 7, None], field=MultiModalBatchedField()),
         }
     )
     back = roundtrip(store, item)
     assert back["text"].data == ["caption: ünïcode ✓", ""]
+    # Booleans stay booleans (not the integers they also are), floats floats.
+    assert back["flags"].data == [True, False, 0.25, 7, None]
+    assert [type(v) for v in back["flags"].data] == [bool, bool, float, int, type(None)]
     assert digest(back) == digest(item)
     assert back["flat2"].field.slices == [[slice(0, 3), slice(2, 5)]]
     assert back["flat"].field.dim == -1 and back["shared"].field.batch_size == 7
@@ -126,6 +133,21 @@ def test_items_sharing_fields_are_described_once_per_request_and_the_same_as_alo
     assert len(item_format._STRUCTURES) == 2
 
 
+def test_the_structures_kept_for_requests_stay_bounded(store):
+    # A server runs for weeks: one entry per request's fields must not grow for ever.
+    from shmstore.vllm import item_format
+
+    item_format._STRUCTURES.clear()
+    bound = item_format._MAX_STRUCTURES
+    for _ in range(bound + 10):
+        item = _request_items(1)[0]  # fields of its own, as each request has
+        sv.describe_item(item)
+        assert 1 <= len(item_format._STRUCTURES) <= bound
+    # Past the bound it starts afresh, and what it describes after is still right.
+    assert len(item_format._STRUCTURES) == 10
+    assert torch.equal(roundtrip(store, item, "after")["pixel_values"].data, item["pixel_values"].data)
+
+
 def test_bfloat16_is_exact_and_tensors_are_zero_copy_and_pinned(store):
     bf = torch.randn(64, 33).to(torch.bfloat16)
     item = MultiModalKwargsItem({"v": MultiModalFieldElem(data=bf, field=MultiModalBatchedField())})
@@ -149,6 +171,19 @@ def test_the_marker_is_the_key_alone_and_survives_vllms_msgpack():
     assert sum(len(b) for b in bufs) < 64, "no address, no signature, no data"
     back = MsgpackDecoder(MultiModalKwargsItem).decode(bufs)
     assert back == m and sv.is_marker(back)
+
+
+def test_only_the_marker_is_taken_for_a_marker():
+    batched = MultiModalBatchedField()
+    assert not sv.is_marker(None)  # prefix caching sends items with no data
+    # A model's own key of that name, holding data, or beside other keys.
+    assert not sv.is_marker(MultiModalKwargsItem({sv.MARKER: MultiModalFieldElem(torch.zeros(1), batched)}))
+    assert not sv.is_marker(MultiModalKwargsItem({
+        sv.MARKER: MultiModalFieldElem(sv.FORMAT, batched),
+        "pixel_values": MultiModalFieldElem(torch.zeros(1), batched),
+    }))
+    assert not sv.is_marker(MultiModalKwargsItem({"other": MultiModalFieldElem(sv.FORMAT, batched)}))
+    assert sv.is_marker(MultiModalKwargsItem({sv.MARKER: MultiModalFieldElem(sv.FORMAT, batched)}))
 
 
 def _scheduler_replays(data):
@@ -213,15 +248,51 @@ def test_items_it_cannot_hold_go_inline_with_one_log_line(store_env, caplog):
     out, _ = sender.get_and_update_item((strange, ["u"]), "strange")
     assert out is strange and not sender.store.contains("strange")
     assert sum("goes inline" in r.message for r in caplog.records) == 3
-    # Strings are stored up to sv.MAX_STRING characters; longer ones go inline.
+    big_mib = sum(e.data.nbytes for e in big.values()) / (1 << 20)
+    assert f"({big_mib:.1f} MiB is over --mm-shm-cache-max-object-size-mb=1)" in caplog.text
+    # The limit is vLLM's setting in MiB, and an item of exactly that size is stored.
+    def floats(n):
+        return MultiModalKwargsItem({"x": MultiModalFieldElem(data=torch.zeros(n), field=MultiModalBatchedField())})
+    assert sv.is_marker(sender.get_and_update_item((floats(1 << 18), ["u"]), "1-mib")[0])
+    over = floats((1 << 18) + 1)
+    assert sender.get_and_update_item((over, ["u"]), "1-mib-and-4-bytes")[0] is over
+    # Strings are stored up to 4096 characters (docs/vllm.md); longer ones go inline,
+    # and the log line says why.
+    assert sv.MAX_STRING == 4096
     short = MultiModalKwargsItem(
         {"s": MultiModalFieldElem(data="x" * sv.MAX_STRING, field=MultiModalBatchedField())})
     long = MultiModalKwargsItem(
         {"s": MultiModalFieldElem(data="x" * (sv.MAX_STRING + 1), field=MultiModalBatchedField())})
     assert sv.is_marker(sender.get_and_update_item((short, ["u"]), "short")[0])
     assert sender.get_and_update_item((long, ["u"]), "long")[0] is long
+    assert "a string of 4097 characters (at most 4096 are stored)" in caplog.text
     assert not sender.is_cached_item("odd-a")
     sender.close()
+
+
+def test_a_process_reading_items_prints_no_warning_about_read_only_buffers(store_env):
+    # Torch warns, once per process, that a tensor over a buffer that is not writable can
+    # be written through: true of every view of the store (by design; a write faults in a
+    # read-only attach). Said once in docs/security.md, not on every worker's stderr. Run in a
+    # process of its own: pytest's warning capture would undo the package's filter.
+    code = """
+import harness
+harness.setup_process()
+import shmstore
+from shmstore import vllm as sv
+from shmstore.vllm.receiver import _get_torch_item
+store = sv.open_store(harness.make_config())
+item = harness.make_item("w")
+arrays, meta = sv.encode_item(item)
+shmstore.put_item(store, "w", arrays, meta)
+arrays, _ = _get_torch_item(store, "w", 1.0)
+assert harness.digest(sv.decode_item(arrays)) == harness.digest(item)
+print("read")
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True,
+                         text=True, timeout=120, cwd=os.path.dirname(__file__))
+    assert out.returncode == 0 and out.stdout.strip() == "read", out.stderr[-2000:]
+    assert "not writable" not in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kind", ["image", "nested"])

@@ -17,6 +17,7 @@ import operator
 import warnings
 from typing import Any
 
+import msgspec
 import torch
 
 from vllm.multimodal.inputs import (
@@ -62,7 +63,7 @@ _TORCH_DTYPES = {
 _MiB = 1 << 20
 _ITEMSIZE = {name: torch.empty((), dtype=t).element_size() for t, name in _TORCH_DTYPES.items()}
 # Views of read-only shared memory: torch warns that the buffer is not writable (by design:
-# a write faults in a read-only attach). Said once in the docs instead of per tensor.
+# a write faults in a read-only attach). Said once in docs/security.md instead of per tensor.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 #: The longest string an item holds (in characters); an item with a longer one goes inline.
 MAX_STRING = 4096
@@ -132,18 +133,13 @@ def _slices_in(v):
     return [_slices_in(x) for x in v]
 
 
-try:  # vLLM depends on msgspec: its JSON encoder is ~15x faster than json.dumps here
-    import msgspec
+# msgspec's JSON encoder is ~15x faster than json.dumps here, and vLLM depends on it (its
+# engine RPC is msgspec), so wherever this module can be imported, so can msgspec.
+_json_encoder = msgspec.json.Encoder()
 
-    _json_encoder = msgspec.json.Encoder()
 
-    def _to_json(obj: Any) -> str:
-        return _json_encoder.encode(obj).decode()
-
-except ImportError:  # pragma: no cover
-
-    def _to_json(obj: Any) -> str:
-        return json.dumps(obj, separators=(",", ":"))
+def _to_json(obj: Any) -> str:
+    return _json_encoder.encode(obj).decode()
 
 
 class _Described:
