@@ -344,7 +344,7 @@ def main() -> int:
                     missed.flush()
         copied.write_bytes(original)
         print(", ".join(f"{n} {k.lower()}" for k, n in sorted(counts.items())),
-              f"of {len(mutants)}; results in {out.relative_to(ROOT)}")
+              f"of {len(mutants)}; results in {out}")
         return 0
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

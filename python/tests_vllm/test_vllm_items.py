@@ -598,6 +598,26 @@ def test_the_gate_holds_one_pin_per_object_for_as_long_as_a_request_names_it(sto
     covered[0].data = None
     gate.get_and_update_features(inline + covered)
     assert gate.pins.objects() == 0
+    # The key is the item's mm_hash, which the front-end stored it under; the feature's
+    # identifier carries a LoRA prefix where the request has an adapter.
+    lora = request("a")
+    lora[0].identifier = "lora-1:a"
+    gate.get_and_update_features(lora)
+    assert gate.pins.objects() == 1
+    # vLLM's per-item entry hands the item on unchanged.
+    marker = sv.marker_item()
+    assert gate.get_and_update_item(marker, "a") is marker
+
+
+def test_the_engine_core_attaches_read_only(store_env):
+    # It only pins what the front-ends wrote: a stray write from its process faults, and
+    # creating or deleting objects is refused.
+    sv.open_store(make_config()).put("x", b"front-end's")
+    gate = sv.ShmstoreEngineGate(make_config())
+    with pytest.raises(shmstore.ReadOnly):
+        gate.store.put("y", b"engine core's")
+    with pytest.raises(shmstore.ReadOnly):
+        gate.store.delete("x")
 
 
 def test_a_pin_released_while_the_gate_takes_another_is_released_on_its_next_call(store):
@@ -612,6 +632,36 @@ def test_a_pin_released_while_the_gate_takes_another_is_released_on_its_next_cal
     with pins._lock:  # as if the release came while a pin is being taken
         pins.unpin(ident)
         assert len(pins._held) == 1
+    assert pins.objects() == 0 and store.stats()["pins"] == 0
+    # The same, the next call being a pin for another request.
+    ident = pins.pin("k")
+    with pins._lock:
+        pins.unpin(ident)
+    store.put("next", b"y")
+    pins.pin("next")
+    assert store.stats()["pins"] == 1  # the next request's; "k" went as that call began
+    assert pins.objects() == 1
+
+
+def test_the_gate_pins_objects_not_keys(store):
+    # A key deleted and stored again names another object: a request admitted before
+    # holds the old one (draining until the request goes), one admitted after holds the
+    # new one, each with a pin of its own.
+    from shmstore.vllm.gate import RequestPins
+
+    store.put("k", b"old")
+    pins = RequestPins(store)
+    old = pins.pin("k")
+    store.delete("k")
+    store.put("k", b"new")
+    new = pins.pin("k")
+    assert old != new and pins.objects() == 2
+    assert (store.stats()["pins"], store.stats()["draining"]) == (2, 1)
+    pins.unpin(old)
+    assert pins.objects() == 1
+    assert (store.stats()["pins"], store.stats()["draining"]) == (1, 0)
+    assert bytes(store.try_get("k")) == b"new"
+    pins.unpin(new)
     assert pins.objects() == 0 and store.stats()["pins"] == 0
 
 
