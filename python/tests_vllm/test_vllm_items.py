@@ -677,6 +677,27 @@ def merge(sender, hashes):
         sender.release_sender_touches()
 
 
+def test_the_hit_rate_vllm_logs_counts_every_item_from_zero(store_env):
+    # vLLM logs the cache's hit rate from make_stats (delta=True: since its last look).
+    sender = sv.ShmstoreSenderCache(make_config())
+
+    def stats(**kw):
+        info = sender.make_stats(**kw)
+        return info.hits, info.total
+
+    assert stats() == (0, 0) and stats(delta=True) == (0, 0)
+    merge(sender, ["s1", "s2"])  # processed: two misses
+    assert stats() == (0, 2)
+    assert sender.is_cached_item("s1")
+    sender.get_and_update_item(None, "s1")  # vLLM skipped processing it: a hit
+    sender.release_sender_touches()
+    assert stats() == (1, 3)
+    assert stats(delta=True) == (1, 3) and stats(delta=True) == (0, 0)
+    merge(sender, ["s3"])
+    assert stats(delta=True) == (0, 1) and stats() == (1, 4)
+    sender.close()
+
+
 def test_clearing_the_cache_leaves_the_items_of_requests_in_flight(store_env):
     # vLLM's reset_mm_cache while requests run (vLLM warns about it): the items the
     # engine core admitted stay, and so do those the front-end just sent (still on their
@@ -734,5 +755,31 @@ def test_the_window_of_sends_keeps_every_item_of_the_request_being_merged(store_
             sender.get_and_update_item((make_item(h), []), h)
         assert list(sender._inflight) == ["g"]
         assert sender.store.stats()["pins"] == 1
+    finally:
+        sender.close()
+
+
+def test_the_window_holds_a_large_request_up_to_half_the_store_and_injected_sends_alone(store_env):
+    # Sends before any request is merged are injected ones too: the newest alone stays.
+    sender = sv.ShmstoreSenderCache(make_config(cache_mb=64), inflight_fraction=1e-9)
+    try:
+        for h in ("i1", "i2"):
+            sender.get_and_update_item((make_item(h), []), h)
+        assert list(sender._inflight) == ["i2"]
+        # A request of 40 MiB in a 64 MiB store: its items stay pinned up to half the
+        # store (the rest of the store must still take other front-ends' items).
+        def mib(h):
+            return MultiModalKwargsItem({"x": MultiModalFieldElem(
+                data=torch.full((1 << 18,), float(len(h))), field=MultiModalBatchedField())})
+        hashes = [f"big-{i}" for i in range(40)]
+        for h in hashes:
+            sender.touch_sender_cache_item(h)
+        for h in hashes:
+            sender.get_and_update_item((mib(h), []), h)
+        one = sender._inflight[hashes[-1]][1]
+        held = sender._inflight_bytes
+        assert (32 << 20) - one < held <= 32 << 20, (held, one)
+        assert list(sender._inflight) == hashes[-len(sender._inflight):]  # the newest
+        sender.release_sender_touches()
     finally:
         sender.close()
