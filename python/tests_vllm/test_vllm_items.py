@@ -523,6 +523,10 @@ def test_a_miss_on_an_item_stored_again_since_is_not_taken_for_a_store_the_worke
         sender.get_and_update_item((make_item("y"), make_updates("y")), "y")
         sender.invalidate("y")
         assert sender.inline_only
+        # From then on nothing is reported cached, not even what the store holds: vLLM
+        # processes every item and sends it inline.
+        assert sender.store.contains("x") and sender.is_cached(["x"]) == [False]
+        sender.release_sender_touches()
     finally:
         sender.close()
         other.close()
@@ -696,6 +700,26 @@ def test_the_hit_rate_vllm_logs_counts_every_item_from_zero(store_env):
     merge(sender, ["s3"])
     assert stats(delta=True) == (0, 1) and stats() == (1, 4)
     sender.close()
+
+
+def test_is_cached_for_an_item_named_twice_and_not_for_one_gone_since(store_env):
+    sender = sv.ShmstoreSenderCache(make_config())
+    try:
+        merge(sender, ["x", "y"])
+        # A request naming an item twice asks twice: cached both times (the first look
+        # pinned it until the request is merged).
+        assert sender.is_cached(["x", "x"]) == [True, True]
+        sender.release_sender_touches()
+        # Deleted from the store since (by another process, or evicted): not cached, so
+        # vLLM processes it again, and the new send stores it again.
+        sender.store.delete("y")
+        assert sender.is_cached(["y"]) == [False]
+        sender.release_sender_touches()
+        (out, _), = merge(sender, ["y"])
+        assert sv.is_marker(out) and sender.is_cached(["y"]) == [True]
+        sender.release_sender_touches()
+    finally:
+        sender.close()
 
 
 def test_clearing_the_cache_leaves_the_items_of_requests_in_flight(store_env):
