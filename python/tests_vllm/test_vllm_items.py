@@ -494,6 +494,53 @@ def test_an_item_another_front_end_is_still_writing_goes_inline_this_once(store_
         assert sv.is_marker(out)
         assert sender.is_cached(["racing"]) == [True]
         sender.release_sender_touches()
+        # When the other writer seals it, it is a hit at once, with this front-end's
+        # prompt updates (vLLM skips the processor for it).
+        writing = sender.store.create_object("sealed-later", 1 << 10)
+        item = make_item("sealed-later")
+        out, _ = sender.get_and_update_item((item, make_updates("sealed-later")), "sealed-later")
+        assert out is item
+        writing.seal()
+        assert sender.is_cached(["sealed-later"]) == [True]
+        out, updates = sender.get_and_update_item(None, "sealed-later")
+        assert sv.is_marker(out) and same_updates(updates, make_updates("sealed-later"))
+        sender.release_sender_touches()
+    finally:
+        sender.close()
+
+
+def test_touched_items_stay_pinned_until_the_request_is_merged(store_env):
+    # vLLM touches every item of a request before merging it: an item stored long ago
+    # (out of the window) must not be evicted between the touch and the send.
+    sender = sv.ShmstoreSenderCache(make_config(), inflight_fraction=1e-9)
+    try:
+        merge(sender, ["old"])
+        merge(sender, ["new"])  # the window (the newest alone here) moved past "old"
+
+        def pins():
+            return sender.store.stats()["pins"]
+
+        window = pins()
+        assert list(sender._inflight) == ["new"]
+        sender.touch_sender_cache_item("old")
+        assert pins() == window + 1
+        sender.touch_sender_cache_item("old")  # touched twice: still one pin
+        sender.touch_sender_cache_item("never-stored")  # nothing to pin
+        assert pins() == window + 1
+        sender.release_sender_touches()
+        assert pins() == window
+    finally:
+        sender.close()
+
+
+def test_an_item_larger_than_the_store_goes_inline(store_env):
+    # Under vLLM's object-size limit, over the store's capacity: inline, as vLLM would.
+    sender = sv.ShmstoreSenderCache(make_config(cache_mb=16, max_object_mb=64))
+    try:
+        item = MultiModalKwargsItem({"x": MultiModalFieldElem(
+            data=torch.zeros(5 << 20), field=MultiModalBatchedField())})  # 20 MiB
+        out, _ = sender.get_and_update_item((item, ["u"]), "too-large")
+        assert out is item and not sender.store.contains("too-large")
     finally:
         sender.close()
 
@@ -527,6 +574,8 @@ def test_a_miss_on_an_item_stored_again_since_is_not_taken_for_a_store_the_worke
         # processes every item and sends it inline.
         assert sender.store.contains("x") and sender.is_cached(["x"]) == [False]
         sender.release_sender_touches()
+        z = make_item("z")
+        assert sender.get_and_update_item((z, []), "z")[0] is z
     finally:
         sender.close()
         other.close()
