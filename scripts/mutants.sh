@@ -2,7 +2,7 @@
 # Mutation testing of one source file: scripts/mutants.sh FILE [JOBS [CARGO-MUTANTS ARGS...]]
 # e.g. scripts/mutants.sh src/table/mod.rs 2
 #      scripts/mutants.sh src/region/mod.rs 2 --re 'in check_name'   (only the mutants named so)
-#      scripts/mutants.sh python/shmstore/vllm/gate.py 1 --tests python/tests_vllm/test_vllm_items.py
+#      scripts/mutants.sh python/shmstore/vllm/gate.py 1 --tests python/tests_vllm/test_vllm_gate.py
 # A file of the Python package goes to scripts/mutants_py.py instead (one job; its own
 # arguments: --tests, --re, --list), run in python/.venv-vllm (scripts/vllm.sh makes it).
 # cargo-mutants changes the file one small way at a time (an operator, a return value, a

@@ -39,6 +39,16 @@ def store_env(monkeypatch):
             pass
 
 
+@pytest.fixture
+def store(store_env):
+    """The test instance's store, opened as vLLM's processes open it."""
+    from harness import make_config
+
+    from shmstore import vllm as sv
+
+    return sv.open_store(make_config())
+
+
 def _assert_left_sound(path: str) -> None:
     """Whatever a test did to its store (workers killed mid-request, front-ends killed and
     restarted, eviction around stalled readers, items deleted under readers), what it
