@@ -334,48 +334,6 @@ def test_a_video_into_a_cache_full_of_small_items_evicts_about_its_own_size(stor
     sender.close()
 
 
-def test_a_worker_answers_hits_from_the_items_it_keeps_within_its_budget(store_env):
-    cfg = make_config()  # a 64 MiB store: each worker keeps up to 1/8, 8 MiB, by default
-    sender = sv.ShmstoreSenderCache(cfg)
-    worker = sv.ShmstoreReceiverCache(cfg)
-    hashes = [f"keep-{i}" for i in range(10)]  # images of 1.2 MiB
-    for h in hashes:
-        sender.get_and_update_item((make_item(h, kind="image"), []), h)
-    sender.close()  # its window of recent sends lets go of their pins
-    store = sender.store
-    size = len(store.get(hashes[-1]))
-    marker = sv.marker_item()
-    first = {h: worker.get_and_update_item(marker, h) for h in hashes}
-    # A hit on a recent item is the very same item: no lookup in the store.
-    lookups = store.stats()["gets_hit"]
-    again = worker.get_and_update_item(marker, hashes[-1])
-    assert again is first[hashes[-1]]
-    assert store.stats()["gets_hit"] == lookups
-    assert digest(again) == digest(make_item(hashes[-1], kind="image"))
-    # Once vLLM drops the items, only the kept ones stay pinned: within the budget, the
-    # most recent ones, and fewer than all of them.
-    del first, again
-    pins = store.stats()["pins"]
-    assert 1 <= pins < len(hashes) and pins * size <= (64 << 20) // 8, (pins, size)
-    lookups = store.stats()["gets_hit"]
-    worker.get_and_update_item(marker, hashes[0])  # the oldest was let go: looked up again
-    assert store.stats()["gets_hit"] == lookups + 1
-    # clear_cache lets go of every kept item; keep_fraction=0 keeps none.
-    worker.clear_cache()
-    assert store.stats()["pins"] == 0
-    plain = sv.ShmstoreReceiverCache(cfg, keep_fraction=0.0)
-    got = plain.get_and_update_item(marker, hashes[-1])
-    assert store.stats()["pins"] == 1
-    del got
-    assert store.stats()["pins"] == 0
-    # Data-parallel ranks read different requests: they share the fraction.
-    ranked = sv.ShmstoreReceiverCache(make_config(data_parallel=2))
-    got = [ranked.get_and_update_item(marker, h) for h in hashes]
-    del got
-    pins = store.stats()["pins"]
-    assert 1 <= pins and pins * size <= (64 << 20) // 16, (pins, size)
-
-
 # ----- prompt updates, stored with the item -------------------------------------------
 
 
