@@ -208,6 +208,16 @@ def make_item(h: str, *, scale: float = 1.0, kind: str | None = None):
     )
 
 
+def float_item(n: int, value: float = 0.0):
+    """An item of one batched field: ``n`` float32 elements, all ``value``. Items of one
+    ``n`` are objects of one size, whatever their values: tests of exact budgets."""
+    import torch
+    from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldElem, MultiModalKwargsItem
+
+    return MultiModalKwargsItem({"x": MultiModalFieldElem(
+        data=torch.full((n,), float(value)), field=MultiModalBatchedField())})
+
+
 def make_updates(h: str) -> list:
     """The prompt updates vLLM's processor would make for item ``h`` (deterministic):
     Qwen2-VL's shape (the image pad token repeated once per embedding), or with

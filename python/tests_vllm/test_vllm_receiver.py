@@ -7,16 +7,11 @@ import re
 
 import pytest
 import torch
-from harness import digest, make_config, make_item
+from harness import digest, float_item, make_config, make_item
 from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldElem, MultiModalKwargsItem
 
 import shmstore
 from shmstore import vllm as sv
-
-
-def floats(n: int, value: float = 0.0) -> MultiModalKwargsItem:
-    return MultiModalKwargsItem({"x": MultiModalFieldElem(
-        data=torch.full((n,), value), field=MultiModalBatchedField())})
 
 
 def test_a_worker_attaches_read_only_unless_told_otherwise(store_env, monkeypatch):
@@ -81,7 +76,7 @@ def test_the_items_a_worker_keeps_fill_their_budget_exactly(store_env):
     sender = sv.ShmstoreSenderCache(make_config(cache_mb=64))
     try:
         for i in range(4):
-            sender.get_and_update_item((floats(1 << 18, float(i)), []), f"k{i}")
+            sender.get_and_update_item((float_item(1 << 18, float(i)), []), f"k{i}")
         sender.close()  # the window lets go of its pins
         store = sender.store
         n = len(store.get("k0"))
@@ -123,9 +118,9 @@ def test_a_request_reads_its_markers_keeps_inline_items_and_skips_what_the_prefi
 ):
     sender = sv.ShmstoreSenderCache(make_config())
     try:
-        sender.get_and_update_item((floats(16, 7.0), []), "stored")
+        sender.get_and_update_item((float_item(16, 7.0), []), "stored")
         worker = sv.ShmstoreReceiverCache(make_config())
-        inline = floats(4, 3.0)
+        inline = float_item(4, 3.0)
         features = [feature("stored", sv.marker_item()), feature("inline", inline),
                     feature("covered", None)]
         assert worker.get_and_update_features(features) is features
@@ -145,7 +140,7 @@ def test_a_miss_names_every_missing_item_of_the_request_and_says_why_it_should_n
 
     sender = sv.ShmstoreSenderCache(make_config())
     try:
-        sender.get_and_update_item((floats(16), []), "here")
+        sender.get_and_update_item((float_item(16), []), "here")
         worker = sv.ShmstoreReceiverCache(make_config())
         request = [feature(h, sv.marker_item()) for h in ("gone", "here", "also gone")]
         with pytest.raises(MultiModalCacheMissError) as miss:
@@ -177,7 +172,7 @@ def test_a_touched_item_is_the_last_a_worker_lets_go_of(store_env):
     sender = sv.ShmstoreSenderCache(make_config(cache_mb=64))
     try:
         for i in range(3):
-            sender.get_and_update_item((floats(1 << 18, float(i)), []), f"t{i}")
+            sender.get_and_update_item((float_item(1 << 18, float(i)), []), f"t{i}")
         sender.close()
         store = sender.store
         n = len(store.get("t0"))
@@ -222,7 +217,7 @@ def test_an_item_deleted_by_hand_while_its_request_runs_is_read_and_the_log_says
     sender = sv.ShmstoreSenderCache(make_config())
     try:
         for h in ("d1", "d2"):
-            sender.get_and_update_item((floats(16, 2.0), []), h)
+            sender.get_and_update_item((float_item(16, 2.0), []), h)
         # The engine core's gate pins them (here: the sender's window); an operator
         # deletes them by hand.
         sender.store.delete("d1")
@@ -240,7 +235,7 @@ def test_an_item_deleted_by_hand_while_its_request_runs_is_read_and_the_log_says
 def test_an_item_of_exactly_the_budget_is_kept(store_env):
     sender = sv.ShmstoreSenderCache(make_config(cache_mb=64))
     try:
-        sender.get_and_update_item((floats(1 << 18), []), "one")
+        sender.get_and_update_item((float_item(1 << 18), []), "one")
         sender.close()
         store = sender.store
         n = len(store.get("one"))

@@ -6,12 +6,21 @@ import logging
 
 import pytest
 import torch
-from harness import make_config, make_item, make_updates, same_updates
+from harness import float_item, make_config, make_item, make_updates, same_updates
 from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldElem, MultiModalKwargsItem
 
 import shmstore
 from shmstore import vllm as sv
 from shmstore.vllm import sender as sender_module
+
+
+@pytest.fixture
+def narrow_sender(store_env):
+    """A front-end whose window of recent sends holds only the latest request's items
+    (or, outside a merge, the latest send): the window's budget is next to nothing."""
+    sender = sv.ShmstoreSenderCache(make_config(), inflight_fraction=1e-9)
+    yield sender
+    sender.close()
 
 
 def merge(sender, hashes):
@@ -101,28 +110,25 @@ def test_an_item_another_front_end_is_still_writing_goes_inline_this_once(store_
         sender.close()
 
 
-def test_touched_items_stay_pinned_until_the_request_is_merged(store_env):
+def test_touched_items_stay_pinned_until_the_request_is_merged(narrow_sender):
     # vLLM touches every item of a request before merging it: an item stored long ago
     # (out of the window) must not be evicted between the touch and the send.
-    sender = sv.ShmstoreSenderCache(make_config(), inflight_fraction=1e-9)
-    try:
-        merge(sender, ["old"])
-        merge(sender, ["new"])  # the window (the newest alone here) moved past "old"
+    sender = narrow_sender
+    merge(sender, ["old"])
+    merge(sender, ["new"])  # the window (the newest alone here) moved past "old"
 
-        def pins():
-            return sender.store.stats()["pins"]
+    def pins():
+        return sender.store.stats()["pins"]
 
-        window = pins()
-        assert list(sender._inflight) == ["new"]
-        sender.touch_sender_cache_item("old")
-        assert pins() == window + 1
-        sender.touch_sender_cache_item("old")  # touched twice: still one pin
-        sender.touch_sender_cache_item("never-stored")  # nothing to pin
-        assert pins() == window + 1
-        sender.release_sender_touches()
-        assert pins() == window
-    finally:
-        sender.close()
+    window = pins()
+    assert list(sender._inflight) == ["new"]
+    sender.touch_sender_cache_item("old")
+    assert pins() == window + 1
+    sender.touch_sender_cache_item("old")  # touched twice: still one pin
+    sender.touch_sender_cache_item("never-stored")  # nothing to pin
+    assert pins() == window + 1
+    sender.release_sender_touches()
+    assert pins() == window
 
 
 def test_an_item_larger_than_the_store_goes_inline(store_env):
@@ -286,26 +292,23 @@ def test_clearing_the_cache_leaves_the_items_of_requests_in_flight(store_env):
         sender.close()
 
 
-def test_the_window_of_sends_keeps_every_item_of_the_request_being_merged(store_env):
+def test_the_window_of_sends_keeps_every_item_of_the_request_being_merged(narrow_sender):
     # A request whose items alone are over the window's budget: none of them may be
     # unpinned before the request leaves for the engine core (the store could evict it
     # before the engine core's gate admits the request, which would fail). The next
     # request pushes them out; items sent outside a merge (vLLM's inject_into_mm_cache)
     # keep only the newest.
-    sender = sv.ShmstoreSenderCache(make_config(), inflight_fraction=1e-9)
-    try:
-        first = ["a", "b", "c"]
-        merge(sender, first)
-        assert list(sender._inflight) == first
-        assert sender.store.stats()["pins"] == 3
-        merge(sender, ["d", "e"])
-        assert list(sender._inflight) == ["d", "e"]
-        for h in ("f", "g"):  # as inject_into_mm_cache sends: no touch, no release
-            sender.get_and_update_item((make_item(h), []), h)
-        assert list(sender._inflight) == ["g"]
-        assert sender.store.stats()["pins"] == 1
-    finally:
-        sender.close()
+    sender = narrow_sender
+    first = ["a", "b", "c"]
+    merge(sender, first)
+    assert list(sender._inflight) == first
+    assert sender.store.stats()["pins"] == 3
+    merge(sender, ["d", "e"])
+    assert list(sender._inflight) == ["d", "e"]
+    for h in ("f", "g"):  # as inject_into_mm_cache sends: no touch, no release
+        sender.get_and_update_item((make_item(h), []), h)
+    assert list(sender._inflight) == ["g"]
+    assert sender.store.stats()["pins"] == 1
 
 
 def test_the_window_holds_a_large_request_up_to_half_the_store_and_injected_sends_alone(store_env):
@@ -357,26 +360,23 @@ def test_clearing_the_cache_starts_the_hit_rate_from_zero_as_vllms_shm_cache_doe
         sender.close()
 
 
-def test_clearing_the_cache_lets_go_of_touches_and_forgets_updates_the_store_cannot_give(store_env):
+def test_clearing_the_cache_lets_go_of_touches_and_forgets_updates_the_store_cannot_give(narrow_sender):
     # An item a reader still holds stays in the store through a clear; the front-end lets
     # go of its touch on it, and forgets its prompt updates: updates that are not plain
     # data are not in the store, so the item is processed again, as after vLLM's clear.
-    sender = sv.ShmstoreSenderCache(make_config(), inflight_fraction=1e-9)
+    sender = narrow_sender
     store = sender.store
-    try:
-        merge(sender, ["kept~"])
-        merge(sender, ["newer"])  # the window (the newest alone) moved past "kept~"
-        reader = store.get("kept~")
-        assert sender.is_cached(["kept~"]) == [True]  # touched: pinned until released
-        pins = store.stats()["pins"]
-        sender.clear_cache()
-        assert store.contains("kept~"), "a reader holds it"
-        assert store.stats()["pins"] == pins - 1, "the touch is let go"
-        assert sender.is_cached(["kept~"]) == [False]
-        sender.release_sender_touches()
-        del reader
-    finally:
-        sender.close()
+    merge(sender, ["kept~"])
+    merge(sender, ["newer"])  # the window (the newest alone) moved past "kept~"
+    reader = store.get("kept~")
+    assert sender.is_cached(["kept~"]) == [True]  # touched: pinned until released
+    pins = store.stats()["pins"]
+    sender.clear_cache()
+    assert store.contains("kept~"), "a reader holds it"
+    assert store.stats()["pins"] == pins - 1, "the touch is let go"
+    assert sender.is_cached(["kept~"]) == [False]
+    sender.release_sender_touches()
+    del reader
 
 
 def test_touching_an_item_this_front_end_never_stored_pins_nothing(store_env):
@@ -535,24 +535,21 @@ def window_bytes_add_up(sender) -> bool:
     return sender._inflight_bytes == sum(n for _, n in sender._inflight.values())
 
 
-def test_an_item_reported_cached_from_the_window_stays_pinned_when_the_window_moves_on(store_env):
+def test_an_item_reported_cached_from_the_window_stays_pinned_when_the_window_moves_on(narrow_sender):
     # "b" is cached and in the window (the newest send alone, here). The next request
     # names "b" (reported cached) and a new item "c", which pushes "b" out of the
     # window: "b" must stay pinned by the request's touch until the request is merged.
-    sender = sv.ShmstoreSenderCache(make_config(), inflight_fraction=1e-9)
+    sender = narrow_sender
     store = sender.store
-    try:
-        merge(sender, ["a"])
-        merge(sender, ["b"])
-        assert sender.is_cached(["b", "c"]) == [True, False]
-        sender.get_and_update_item((make_item("c"), make_updates("c")), "c")
-        assert list(sender._inflight) == ["c"] and window_bytes_add_up(sender)
-        assert not store.delete_unpinned("b"), "touched: pinned until merged"
-        sender.get_and_update_item(None, "b")
-        sender.release_sender_touches()
-        assert not store.delete_unpinned("b"), "sent: in the window"
-    finally:
-        sender.close()
+    merge(sender, ["a"])
+    merge(sender, ["b"])
+    assert sender.is_cached(["b", "c"]) == [True, False]
+    sender.get_and_update_item((make_item("c"), make_updates("c")), "c")
+    assert list(sender._inflight) == ["c"] and window_bytes_add_up(sender)
+    assert not store.delete_unpinned("b"), "touched: pinned until merged"
+    sender.get_and_update_item(None, "b")
+    sender.release_sender_touches()
+    assert not store.delete_unpinned("b"), "sent: in the window"
 
 
 def test_an_item_sent_again_is_the_newest_of_the_window(store_env, monkeypatch):
@@ -572,24 +569,21 @@ def test_an_item_sent_again_is_the_newest_of_the_window(store_env, monkeypatch):
         sender.close()
 
 
-def test_a_request_keeps_its_items_sent_again_in_the_window_as_its_new_ones(store_env):
+def test_a_request_keeps_its_items_sent_again_in_the_window_as_its_new_ones(narrow_sender):
     # A request's items all stay in the window until it is merged, however small its
     # budget: those sent again (hits) as much as those sent for the first time.
-    sender = sv.ShmstoreSenderCache(make_config(), inflight_fraction=1e-9)
-    try:
-        merge(sender, ["x"])
-        for h in ("x", "y", "z"):
-            sender.touch_sender_cache_item(h)
-        assert sender.is_cached(["x", "y", "z"]) == [True, False, False]
-        sender.get_and_update_item(None, "x")
-        for h in ("y", "z"):
-            sender.get_and_update_item((make_item(h), make_updates(h)), h)
-        assert list(sender._inflight) == ["x", "y", "z"]
-        sender.release_sender_touches()
-        merge(sender, ["next"])
-        assert list(sender._inflight) == ["next"] and window_bytes_add_up(sender)
-    finally:
-        sender.close()
+    sender = narrow_sender
+    merge(sender, ["x"])
+    for h in ("x", "y", "z"):
+        sender.touch_sender_cache_item(h)
+    assert sender.is_cached(["x", "y", "z"]) == [True, False, False]
+    sender.get_and_update_item(None, "x")
+    for h in ("y", "z"):
+        sender.get_and_update_item((make_item(h), make_updates(h)), h)
+    assert list(sender._inflight) == ["x", "y", "z"]
+    sender.release_sender_touches()
+    merge(sender, ["next"])
+    assert list(sender._inflight) == ["next"] and window_bytes_add_up(sender)
 
 
 def test_the_windows_byte_count_follows_what_it_lets_go(store_env):
@@ -611,18 +605,15 @@ def test_the_windows_byte_count_follows_what_it_lets_go(store_env):
         other.close()
 
 
-def test_a_hit_sent_without_a_touch_is_looked_up_and_pinned_in_the_window(store_env):
+def test_a_hit_sent_without_a_touch_is_looked_up_and_pinned_in_the_window(narrow_sender):
     # vLLM reports an item cached (is_cached pins it) before it sends it; a caller that
     # sends a hit without asking first still gets it pinned in the window.
-    sender = sv.ShmstoreSenderCache(make_config(), inflight_fraction=1e-9)
-    try:
-        merge(sender, ["old"])
-        merge(sender, ["new"])
-        out, _ = sender.get_and_update_item(None, "old")
-        assert sv.is_marker(out) and list(sender._inflight) == ["old"]
-        assert not sender.store.delete_unpinned("old")
-    finally:
-        sender.close()
+    sender = narrow_sender
+    merge(sender, ["old"])
+    merge(sender, ["new"])
+    out, _ = sender.get_and_update_item(None, "old")
+    assert sv.is_marker(out) and list(sender._inflight) == ["old"]
+    assert not sender.store.delete_unpinned("old")
 
 
 def test_prompt_updates_are_kept_most_recently_used_last(store_env):
@@ -645,21 +636,13 @@ def test_prompt_updates_are_kept_most_recently_used_last(store_env):
         sender.close()
 
 
-def test_sends_before_the_first_request_are_not_counted_as_its_items(store_env):
+def test_sends_before_the_first_request_are_not_counted_as_its_items(narrow_sender):
     # Items injected before any request is merged (no touch) are not the first
     # request's: that request keeps its own items in the window, not those.
-    sender = sv.ShmstoreSenderCache(make_config(), inflight_fraction=1e-9)
-    try:
-        sender.get_and_update_item((make_item("injected"), []), "injected")
-        merge(sender, ["a", "b"])
-        assert list(sender._inflight) == ["a", "b"]
-    finally:
-        sender.close()
-
-
-def floats(n: int, value: float = 0.0) -> MultiModalKwargsItem:
-    return MultiModalKwargsItem({"x": MultiModalFieldElem(
-        data=torch.full((n,), value), field=MultiModalBatchedField())})
+    sender = narrow_sender
+    sender.get_and_update_item((make_item("injected"), []), "injected")
+    merge(sender, ["a", "b"])
+    assert list(sender._inflight) == ["a", "b"]
 
 
 def object_size(sender, h: str) -> int:
@@ -669,7 +652,7 @@ def object_size(sender, h: str) -> int:
 def test_the_windows_budget_and_cap_are_reached_not_passed(store_env):
     # Sends outside a merge: the window holds as many as fit its budget exactly.
     probe = sv.ShmstoreSenderCache(make_config(cache_mb=64, max_object_mb=16))
-    probe.get_and_update_item((floats(1 << 18), []), "probe")
+    probe.get_and_update_item((float_item(1 << 18), []), "probe")
     n = object_size(probe, "probe")  # every item below is this size
     probe.close()
     capacity = 64 << 20
@@ -677,7 +660,7 @@ def test_the_windows_budget_and_cap_are_reached_not_passed(store_env):
                                     inflight_fraction=2 * n / capacity)
     try:
         for i in range(3):
-            sender.get_and_update_item((floats(1 << 18, float(i + 1)), []), f"b{i}")
+            sender.get_and_update_item((float_item(1 << 18, float(i + 1)), []), f"b{i}")
             assert object_size(sender, f"b{i}") == n
         assert list(sender._inflight) == ["b1", "b2"]
     finally:
@@ -685,7 +668,7 @@ def test_the_windows_budget_and_cap_are_reached_not_passed(store_env):
     # A request's items: all of them, up to the cap exactly (here the budget, over half
     # the store: items of 8 MiB and more, four of them).
     probe = sv.ShmstoreSenderCache(make_config(cache_mb=64, max_object_mb=16))
-    probe.get_and_update_item((floats(1 << 21), []), "probe8")
+    probe.get_and_update_item((float_item(1 << 21), []), "probe8")
     n = object_size(probe, "probe8")
     probe.close()
     sender = sv.ShmstoreSenderCache(make_config(cache_mb=64, max_object_mb=16),
@@ -695,7 +678,7 @@ def test_the_windows_budget_and_cap_are_reached_not_passed(store_env):
         for h in hashes:
             sender.touch_sender_cache_item(h)
         for i, h in enumerate(hashes):
-            sender.get_and_update_item((floats(1 << 21, float(i + 1)), []), h)
+            sender.get_and_update_item((float_item(1 << 21, float(i + 1)), []), h)
             if i == 3:
                 assert list(sender._inflight) == hashes[:4]
         assert list(sender._inflight) == hashes[1:]
@@ -710,28 +693,25 @@ def test_the_latest_send_stays_pinned_even_when_over_half_the_store(store_env):
     # admits its request.
     sender = sv.ShmstoreSenderCache(make_config(cache_mb=64, max_object_mb=64))
     try:
-        sender.get_and_update_item((floats(10 << 20), []), "40 MiB")
+        sender.get_and_update_item((float_item(10 << 20), []), "40 MiB")
         assert list(sender._inflight) == ["40 MiB"]
         assert not sender.store.delete_unpinned("40 MiB")
     finally:
         sender.close()
 
 
-def test_an_item_being_stored_again_during_a_clear_is_deleted_by_the_next_clear(store_env):
+def test_an_item_being_stored_again_during_a_clear_is_deleted_by_the_next_clear(narrow_sender):
     # The front-end stored "s"; it was deleted since, and another writer is storing it
     # again when this front-end's cache is cleared: the clear cannot delete an object
     # still being written, and keeps it on its list for the next clear.
-    sender = sv.ShmstoreSenderCache(make_config(), inflight_fraction=1e-9)
+    sender = narrow_sender
     store = sender.store
-    try:
-        merge(sender, ["s"])
-        merge(sender, ["t"])  # the window moved past "s"
-        store.delete("s")
-        writing = store.create_object("s", 1 << 10)
-        sender.clear_cache()
-        writing.seal()
-        assert store.contains("s")
-        sender.clear_cache()
-        assert not store.contains("s")
-    finally:
-        sender.close()
+    merge(sender, ["s"])
+    merge(sender, ["t"])  # the window moved past "s"
+    store.delete("s")
+    writing = store.create_object("s", 1 << 10)
+    sender.clear_cache()
+    writing.seal()
+    assert store.contains("s")
+    sender.clear_cache()
+    assert not store.contains("s")
