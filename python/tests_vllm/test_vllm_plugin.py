@@ -12,6 +12,7 @@ import tempfile
 import textwrap
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 from harness import make_config
@@ -43,9 +44,12 @@ def test_vllms_factories_return_shmstores_caches_also_where_vllm_switches_ipc_of
         setup_process()
         from vllm.plugins import load_general_plugins
         load_general_plugins(); load_general_plugins()            # loaded more than once
-        import shmstore.vllm as sv; sv.register(); sv.register()
+        import shmstore.vllm as sv; sv.register()
         from vllm.multimodal import cache
         from vllm.multimodal.cache import factories
+        hooked = factories.processor_cache_from_config
+        sv.register()
+        assert factories.processor_cache_from_config is hooked   # hooked once, not twice
         for dp, api in ((1, 1), (2, 1), (1, 3)):                  # DP and several API servers
             c = make_config(data_parallel=dp, api_servers=api)
             s = cache.processor_cache_from_config(c)
@@ -67,6 +71,19 @@ def test_vllms_factories_return_shmstores_caches_also_where_vllm_switches_ipc_of
         assert factories.processor_cache_from_config(c) is None
         assert factories.engine_receiver_cache_from_config(c) is None
         assert factories.worker_receiver_cache_from_config(c, None) is None
+        # Where shmstore does not apply (here: the switch turned off after the hooks
+        # went in), each hooked factory hands over to vLLM's own.
+        import multiprocessing, os
+        os.environ["SHMSTORE_VLLM"] = "0"
+        c = make_config()
+        s = factories.processor_cache_from_config(c)
+        assert type(s).__name__ == "ShmObjectStoreSenderCache", s
+        w = factories.worker_receiver_cache_from_config(c, multiprocessing.Lock())
+        assert type(w).__name__ == "ShmObjectStoreReceiverCache", w
+        s.close()
+        c.model_config.get_multimodal_config().mm_processor_cache_type = "lru"
+        e = factories.engine_receiver_cache_from_config(c)
+        assert type(e).__name__ == "LruKeyReplicatedReceiverCache", e
         print("ok")
         """,
         store_env,
@@ -175,10 +192,20 @@ def test_another_vllm_release_is_hooked_with_a_warning(store_env):
     assert r.returncode == 0 and warning not in r.stderr, r.stderr[-3000:]
 
 
-def test_multi_node_setups_without_ray_keep_vllms_cache_unless_forced(store_env, monkeypatch):
+def test_multi_node_setups_without_ray_keep_vllms_cache_unless_forced(
+        store_env, monkeypatch, caplog):
+    from shmstore.vllm import instance
+
+    caplog.set_level(logging.INFO, logger="shmstore.vllm")
+    for key in ("multinode", "ray"):
+        instance._logged.discard(key)
     c = make_config()
     c.parallel_config.nnodes = 2
-    assert not sv.applies(c)
+    assert sv.applies(c) is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "shmstore: workers may run on other machines (nnodes or remote data-parallel ranks "
+        "without Ray); using vLLM's own cache. SHMSTORE_VLLM=force overrides."]
+    caplog.clear()
     monkeypatch.setenv("SHMSTORE_VLLM", "force")
     assert sv.applies(c)
     monkeypatch.setenv("SHMSTORE_VLLM", "1")
@@ -186,9 +213,20 @@ def test_multi_node_setups_without_ray_keep_vllms_cache_unless_forced(store_env,
     # Ray's executor: workers on other nodes fetch through shmstore.ray, if Ray is there
     # (python/tests_ray runs them); without Ray, vLLM's own cache.
     c.parallel_config.distributed_executor_backend = "ray"
-    assert sv.applies(c) == (importlib.util.find_spec("ray") is not None)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert not sv.applies(c)
+    real_find_spec = importlib.util.find_spec
+    for ray_there in (True, False):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+            object() if ray_there else None) if name == "ray" else real_find_spec(name, *a))
+        instance._logged.discard("ray")
+        assert sv.applies(c) is ray_there
+        said = [r.getMessage() for r in caplog.records]
+        assert said == [
+            "shmstore: Ray executor: workers on other nodes read items through their "
+            "node's store, fetched once per node (shmstore.ray)" if ray_there else
+            "shmstore: Ray executor but ray is not importable; using vLLM's own cache"], said
+        caplog.clear()
+    for key in ("multinode", "ray"):
+        instance._logged.discard(key)
 
 
 def test_the_store_is_named_once_per_instance_and_removed_at_clean_shutdown(monkeypatch):
@@ -249,8 +287,13 @@ def test_the_launcher_removes_the_store_when_it_exits_after_vllm_kills_the_worke
     # What `vllm serve` does at Ctrl-C: before the exit hook, the store stayed in
     # /dev/shm until the next start (python/serve/check_serve.py found it).
     env = {**store_env, "SHMSTORE_VLLM_STORE": "", "SHMSTORE_VLLM_LAUNCHER": ""}
+    # An instance that crashed before: its store goes when this one starts.
+    crashed = f"/dev/shm/shmstore-vllm-999996-{os.getpid()}"
+    shmstore.Store.create(crashed, 1 << 20)  # dropped at once: no process attached
     r = run(_LAUNCHER, env)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not os.path.exists(crashed), "the crashed instance's store outlived the start"
+    assert "store(s) left by crashed vLLM instances:" in r.stderr, r.stderr[-3000:]
     path = r.stdout.split()[0]
     assert os.path.basename(path).startswith("shmstore-vllm-")
     assert not os.path.exists(path), "the store outlived its instance"
@@ -695,3 +738,32 @@ def test_the_store_figures_appear_in_the_registry_vllm_serves(store_env):
     text = generate_latest(REGISTRY).decode()
     assert text.count(f'shmstore_objects{{store="{name}"}}') == 1
     del sender, sender2
+
+
+def test_the_plugin_applies_with_the_switch_to_multimodal_models_and_the_caches_it_replaces(
+        store_env, monkeypatch):
+    c = make_config()
+    assert sv.applies(c) is True
+    for off in ("", "0", "no"):
+        monkeypatch.setenv("SHMSTORE_VLLM", off)
+        assert sv.applies(c) is False, off
+    monkeypatch.setenv("SHMSTORE_VLLM", "1")
+
+    class TextModelConfig:
+        # vLLM's ModelConfig for a model without multimodal inputs: asked for its
+        # multimodal config, it raises.
+        supports_multimodal_inputs = False
+
+        def get_multimodal_config(self):
+            raise ValueError("The model is not multimodal.")
+
+    for model_config in (TextModelConfig(), None):
+        text = SimpleNamespace(model_config=model_config, parallel_config=c.parallel_config)
+        assert sv.applies(text) is False
+    # vLLM's other cache types are left to it; its default (lru) and shm are taken over.
+    mm = c.model_config.get_multimodal_config()
+    for cache_type, taken in (("processor_only", False), ("lru", True), ("shm", True)):
+        mm.mm_processor_cache_type = cache_type
+        assert sv.applies(c) is taken, cache_type
+    mm.mm_processor_cache_gb = 0  # vLLM's cache off: shmstore's too
+    assert sv.applies(c) is False

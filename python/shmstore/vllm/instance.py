@@ -190,6 +190,7 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
     process leaves) if this process is the first."""
     name = store_path()
     capacity = _capacity(vllm_config)
+    huge_pages = "off" if os.environ.get("SHMSTORE_VLLM_HUGE_PAGES") == "off" else "auto"
     for _ in range(3):
         try:
             # Front-ends and workers attach long before they use most of the store: map
@@ -209,7 +210,7 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
                     evict=True,
                     remove_when_unused=True,
                     prefault=False,
-                    huge_pages="off" if os.environ.get("SHMSTORE_VLLM_HUGE_PAGES") == "off" else "auto",
+                    huge_pages=huge_pages,
                 )
             except _native.MemoryLimit as e:
                 gb = vllm_config.model_config.get_multimodal_config().mm_processor_cache_gb
@@ -231,7 +232,7 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
                 "front-end and worker of this vLLM instance; `shmstore stat %s` and "
                 "`shmstore check %s` look into it)", name, _size(capacity),
                 _page_kind(st), name, name)
-            if st["page_size"] <= 4096:
+            if st["page_size"] <= 4096 and huge_pages == "auto":  # not when turned off
                 logger.info(
                     "shmstore: this process rebuilds the store's pages as 2 MiB pages in "
                     "the background where the kernel allows it (Linux 6.1 and later): "
