@@ -375,6 +375,25 @@ def test_prompt_updates_that_are_not_plain_data_are_not_shared():
     assert encode_updates(make_updates("a") + [object()]) is None
     assert encode_updates(iter(make_updates("a"))) is None
     assert decode_updates(encode_updates([])) == []
+    # Token lists are lists, the modality a string.
+    assert encode_updates([update(content=PromptUpdateDetails.from_seq((5, 5)))]) is None
+    assert encode_updates([ResolvedPromptUpdate(7, 0, UpdateMode.REPLACE, [1], PromptUpdateDetails.from_seq([5]))]) is None
+    # Only vLLM's own two helpers, with the types they are written for: a function of
+    # vLLM's module closing over a variable of the same name is not one of them, nor is
+    # select_token_id given a float or a list, nor select_token_ids given a tuple.
+
+    def closure_over(embed_token_id):
+        def is_embed(tokens):
+            return tokens == embed_token_id
+
+        return is_embed
+
+    lookalike = closure_over(5)
+    lookalike.__module__ = PromptUpdateDetails.__module__
+    assert encode_updates([update(content=PromptUpdateDetails([5], is_embed=lookalike))]) is None
+    for odd in (5.0, [5, 6]):
+        assert encode_updates([update(content=PromptUpdateDetails.select_token_id([5], odd))]) is None
+    assert encode_updates([update(content=PromptUpdateDetails.select_token_ids([5], (5, 6)))]) is None
 
 
 @pytest.mark.parametrize("text", [
