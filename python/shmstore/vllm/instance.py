@@ -16,7 +16,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from .. import _native
 
@@ -190,7 +190,8 @@ def open_store(vllm_config, *, read_only: bool = False) -> _native.Store:
     process leaves) if this process is the first."""
     name = store_path()
     capacity = _capacity(vllm_config)
-    huge_pages = "off" if os.environ.get("SHMSTORE_VLLM_HUGE_PAGES") == "off" else "auto"
+    huge_pages: Literal["auto", "off"] = (
+        "off" if os.environ.get("SHMSTORE_VLLM_HUGE_PAGES") == "off" else "auto")
     for _ in range(3):
         try:
             # Front-ends and workers attach long before they use most of the store: map
